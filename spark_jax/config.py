@@ -1,0 +1,238 @@
+"""Model configurations, parsed once from a HuggingFace ``config.json`` dict.
+
+Configs are frozen dataclasses: hashable, so a config is a valid static argument of a jitted
+step and equal configs share one compilation. Both the old (``rope_theta``, ``rope_scaling``,
+``torch_dtype``) and the transformers-5 (``rope_parameters``, ``dtype``) spellings are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ENCODER_DECODER_MODEL_TYPES = ("m2m_100",)
+SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_DECODER_MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters: the base and an optional frequency rescaling."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int) -> list[float]:
+        """Per-pair inverse frequencies, rescaled as the HF rope type of this name does."""
+        base = [1.0 / (self.theta ** (i / head_dim)) for i in range(0, head_dim, 2)]
+        if self.kind == "default":
+            return base
+        if self.kind == "linear":
+            return [f / self.factor for f in base]
+        # llama3: long wavelengths are divided by `factor`, short ones kept, the middle band
+        # interpolated smoothly between the two.
+        old_len = self.original_max_position_embeddings
+        low_wavelen = old_len / self.low_freq_factor
+        high_wavelen = old_len / self.high_freq_factor
+        out = []
+        for f in base:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / self.factor)
+            else:
+                smooth = (old_len / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor
+                )
+                out.append((1 - smooth) * f / self.factor + smooth * f)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (llama, mistral, qwen2, qwen3 and their relatives)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k before rotary
+    # Per layer: attend to at most this many most recent keys (None = full causal attention).
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return False
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_size(self) -> int:
+        return self.q_size + 2 * self.kv_size
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, for bandwidth floors in benchmarks."""
+        d, f = self.hidden_size, self.intermediate_size
+        per_layer = d * self.qkv_size + self.q_size * d + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+
+@dataclass(frozen=True)
+class NllbConfig:
+    """The M2M100 / NLLB encoder-decoder."""
+
+    model_type: str
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_attention_heads: int
+    decoder_attention_heads: int
+    encoder_ffn_dim: int
+    decoder_ffn_dim: int
+    max_position_embeddings: int = 1024
+    scale_embedding: bool = True
+    activation_function: str = "relu"
+    pad_token_id: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 2
+    decoder_start_token_id: int = 2
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return True
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self.eos_token_id,)
+
+
+def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(
+            f"rope type {kind!r} is not supported; supported rope types are 'default', "
+            "'linear' and 'llama3'."
+        )
+    fields: dict[str, Any] = {"theta": float(theta), "kind": kind}
+    if kind in ("linear", "llama3"):
+        fields["factor"] = float(merged["factor"])
+    if kind == "llama3":
+        fields["low_freq_factor"] = float(merged["low_freq_factor"])
+        fields["high_freq_factor"] = float(merged["high_freq_factor"])
+        fields["original_max_position_embeddings"] = int(
+            merged.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        )
+    return RopeConfig(**fields)
+
+
+def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    model_type = hf["model_type"]
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    if layer_types is None:
+        if model_type == "mistral":
+            layer_types = ["sliding_attention"] * num_layers
+        else:
+            first = hf.get("max_window_layers", num_layers)
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+            ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def _decoder_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    num_layers = int(hf["num_hidden_layers"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    model_type = hf["model_type"]
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3",
+        sliding_windows=_sliding_windows(hf, num_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_int_tuple(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def _nllb_config_from_hf(hf: dict[str, Any]) -> NllbConfig:
+    names = {f.name for f in dataclasses.fields(NllbConfig)}
+    fields = {k: v for k, v in hf.items() if k in names}
+    fields["model_type"] = "m2m_100"
+    activation = fields.get("activation_function", "relu")
+    if activation != "relu":
+        raise ValueError(
+            f"activation_function {activation!r} is not supported for m2m_100; only 'relu' is."
+        )
+    return NllbConfig(**fields)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig | NllbConfig:
+    """Builds the config of a HuggingFace ``config.json`` dict; unknown model types are refused."""
+    model_type = hf.get("model_type")
+    if model_type in DECODER_MODEL_TYPES:
+        return _decoder_config_from_hf(hf)
+    if model_type in ENCODER_DECODER_MODEL_TYPES:
+        return _nllb_config_from_hf(hf)
+    raise ValueError(
+        f"model_type {model_type!r} is not supported; supported model types are "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+    )

@@ -1,0 +1,107 @@
+"""Shared Flax building blocks: linear layers, norms, rotary embeddings, MLPs.
+
+Numerics: weights and activations in the parameter dtype (bf16 on GPU), with fp32
+accumulation in matmuls and fp32 norms and rotary arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Dtype = jnp.dtype
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] so the converter transposes HF's [out, in]."""
+
+    features: int
+    use_bias: bool = False
+    dtype: Dtype = jnp.float32
+    out_dtype: Dtype | None = None  # fp32 for logits; default: the parameter dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param(
+            "kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype
+        )
+        y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y.astype(self.out_dtype or self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 (as HF Llama/Qwen do)."""
+
+    eps: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed.astype(self.dtype) * scale).astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias, statistics in fp32 (M2M100 / NLLB)."""
+
+    eps: float = 1e-5
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: Sequence[float]) -> jax.Array:
+    """Rotates x [B, T, heads, H] by its positions [B, T] (HF's half-split layout), in fp32."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [D, 2F] matmul."""
+
+    hidden_size: int
+    intermediate_size: int
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate_up = Linear(2 * self.intermediate_size, dtype=self.dtype, name="gate_up_proj")(x)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(self.dtype)
+        return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(hidden)
+
+
+def sinusoidal_table(num_positions: int, dim: int, padding_idx: int | None) -> np.ndarray:
+    """fairseq/M2M100 sinusoidal position table [num_positions, dim] (sin half, then cos half)."""
+    half = dim // 2
+    step = np.log(10000.0) / (half - 1)
+    freqs = np.exp(np.arange(half, dtype=np.float32) * -step)
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * freqs[None, :]
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    if dim % 2 == 1:
+        table = np.concatenate([table, np.zeros((num_positions, 1), np.float32)], axis=1)
+    if padding_idx is not None:
+        table[padding_idx] = 0.0
+    return table.astype(np.float32)

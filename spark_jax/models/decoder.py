@@ -1,0 +1,272 @@
+"""The decoder-only family: Llama, Mistral, Qwen2, Qwen3 (and SmolLM2, a Llama).
+
+Reads top to bottom: checkpoint layout → layer → model → jitted steps. The layers are
+unrolled Python modules (never ``lax.scan``: the scanned decode step measured 2.9x slower on
+the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
+
+    prefill(params, config, tokens[B,T], lengths[B], slots[B], kv) -> (logits[B,V], kv)
+    decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
+    verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
+
+``prefill`` writes rows ``slots`` of the cache; ``decode`` and ``verify`` run every row of
+the cache in order, so reading the cache never copies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spark_jax.attention import AttentionMask, attention
+from spark_jax.config import ModelConfig
+from spark_jax.kv_cache import KVCache, read_rows, write_kv
+from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from spark_jax.models.weights import WeightSpec
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint layout: HF tensor names → this module tree. Q/K/V and gate/up are fused so a
+# decode step reads each layer's weights in two matmuls instead of five.
+
+
+def weight_spec(config: ModelConfig) -> WeightSpec:
+    """The HF tensors a checkpoint of this config holds, with their shapes."""
+    d, f = config.hidden_size, config.intermediate_size
+    required: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, d),
+        "model.norm.weight": (d,),
+    }
+    optional: dict[str, tuple[int, ...]] = {}
+    lm_head = {"lm_head.weight": (config.vocab_size, d)}
+    (optional if config.tie_word_embeddings else required).update(lm_head)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        required |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (config.q_size, d),
+            p + "self_attn.k_proj.weight": (config.kv_size, d),
+            p + "self_attn.v_proj.weight": (config.kv_size, d),
+            p + "self_attn.o_proj.weight": (d, config.q_size),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if config.qkv_bias:
+            required |= {
+                p + "self_attn.q_proj.bias": (config.q_size,),
+                p + "self_attn.k_proj.bias": (config.kv_size,),
+                p + "self_attn.v_proj.bias": (config.kv_size,),
+            }
+        if config.qk_norm:
+            required |= {
+                p + "self_attn.q_norm.weight": (config.head_dim,),
+                p + "self_attn.k_norm.weight": (config.head_dim,),
+            }
+    return WeightSpec(required=required, optional=optional)
+
+
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """HF tensors (torch layout, [out, in]) → this model's params tree (kernels [in, out])."""
+
+    def t(name: str) -> np.ndarray:
+        return np.asarray(tensors[name])
+
+    params: dict[str, Any] = {
+        "embed_tokens": {"embedding": t("model.embed_tokens.weight")},
+        "final_norm": {"scale": t("model.norm.weight")},
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = {"kernel": t("lm_head.weight").T}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qkv = [t(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        attn: dict[str, Any] = {
+            "qkv_proj": {"kernel": np.concatenate(qkv, axis=0).T},
+            "o_proj": {"kernel": t(p + "self_attn.o_proj.weight").T},
+        }
+        if config.qkv_bias:
+            attn["qkv_proj"]["bias"] = np.concatenate(
+                [t(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            )
+        if config.qk_norm:
+            attn["q_norm"] = {"scale": t(p + "self_attn.q_norm.weight")}
+            attn["k_norm"] = {"scale": t(p + "self_attn.k_norm.weight")}
+        gate_up = np.concatenate([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
+        params[f"layers_{i}"] = {
+            "input_norm": {"scale": t(p + "input_layernorm.weight")},
+            "post_attn_norm": {"scale": t(p + "post_attention_layernorm.weight")},
+            "attn": attn,
+            "mlp": {
+                "gate_up_proj": {"kernel": gate_up.T},
+                "down_proj": {"kernel": t(p + "mlp.down_proj.weight").T},
+            },
+        }
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# The model.
+
+
+class SelfAttention(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots):
+        c = self.config
+        b, t, _ = x.shape
+        qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(x)
+        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+        q = q.reshape(b, t, c.num_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        inv_freq = c.rope.inverse_frequencies(c.head_dim)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(k, positions, inv_freq)
+        k_cache = write_kv(k_cache, k, slots, positions)
+        v_cache = write_kv(v_cache, v, slots, positions)
+        window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
+        out = attention(q, read_rows(k_cache, slots), read_rows(v_cache, slots), mask, window)
+        out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(out.reshape(b, t, -1))
+        return out, k_cache, v_cache
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    layer_idx: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots):
+        c = self.config
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
+        h, k_cache, v_cache = SelfAttention(c, self.layer_idx, self.dtype, name="attn")(
+            h, positions, mask, k_cache, v_cache, slots
+        )
+        x = x + h
+        h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
+        x = x + GatedMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
+        return x, k_cache, v_cache
+
+
+class DecoderLM(nn.Module):
+    """Token ids → final hidden states, updating the cache; ``logits`` applies the LM head."""
+
+    config: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
+        )
+        self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
+        self.final_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
+
+    def __call__(self, tokens, positions, mask, kv: KVCache, slots):
+        x = self.embed_tokens(tokens)
+        ks, vs = [], []
+        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v, strict=True):
+            x, k_cache, v_cache = layer(x, positions, mask, k_cache, v_cache, slots)
+            ks.append(k_cache)
+            vs.append(v_cache)
+        return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=kv.lengths)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits of hidden states [..., D]."""
+        if self.config.tie_word_embeddings:
+            table = self.embed_tokens.embedding
+            return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+    def init_all(self, tokens, positions, mask, kv: KVCache):
+        """Touches every parameter once, for ``init``."""
+        hidden, _ = self(tokens, positions, mask, kv, None)
+        return self.logits(hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
+
+
+def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+    return KVCache.create(
+        config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim, dtype
+    )
+
+
+def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
+    return params["embed_tokens"]["embedding"].dtype
+
+
+def _run(params, config, tokens, starts, num_new, slots, kv: KVCache):
+    """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache."""
+    model = DecoderLM(config, _params_dtype(params))
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    key_lengths = starts + num_new
+    mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
+    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots)
+    rows = jnp.arange(kv.num_slots) if slots is None else slots
+    kv = kv.with_lengths(kv.lengths.at[rows].set(key_lengths))
+    return model, hidden, kv
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def prefill(params, config: ModelConfig, tokens, lengths, slots, kv: KVCache):
+    """Appends tokens[B, T] (first ``lengths[b]`` real) to rows ``slots``; logits of the last."""
+    starts = kv.lengths[slots]
+    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
+    return logits, kv
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def decode(params, config: ModelConfig, tokens, active, kv: KVCache):
+    """One token per cache row; rows where ``active`` is False keep their length."""
+    model, hidden, kv = _run(
+        params, config, tokens[:, None], kv.lengths, active.astype(jnp.int32), None, kv
+    )
+    logits = model.apply({"params": params}, hidden[:, 0], method=DecoderLM.logits)
+    return logits, kv
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def verify(params, config: ModelConfig, tokens, lengths, kv: KVCache):
+    """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
+    model, hidden, kv = _run(params, config, tokens, kv.lengths, lengths, None, kv)
+    logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
+    return logits, kv
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
+    """Random parameters of the right tree and shapes (benchmarks and tests)."""
+    model = DecoderLM(config, dtype)
+    kv = init_cache(config, 1, 8, dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    mask = AttentionMask(query_positions=positions, key_lengths=jnp.ones((1,), jnp.int32))
+    shapes = jax.eval_shape(
+        lambda k: model.init(k, tokens, positions, mask, kv, method=DecoderLM.init_all)["params"],
+        key,
+    )
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    arrays = [
+        (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        for k, s in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
