@@ -1,0 +1,35 @@
+"""spark_jax: an LLM and NLLB translation inference engine in JAX/XLA for NVIDIA GPUs.
+
+    import spark_jax as sj
+    m = sj.load(path)
+    r = sj.generate(m, prompt_ids, sj.SamplingParams(max_tokens=64))
+"""
+
+from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
+from spark_jax.engine import (
+    GenerationResult,
+    StreamOutput,
+    TokenLogprobs,
+    generate,
+    generate_batch,
+    generate_streaming,
+    stream,
+)
+from spark_jax.model import Model, load
+from spark_jax.sampling import SamplingParams
+
+__all__ = [
+    "GenerationResult",
+    "Model",
+    "ModelConfig",
+    "NllbConfig",
+    "SamplingParams",
+    "StreamOutput",
+    "TokenLogprobs",
+    "config_from_hf",
+    "generate",
+    "generate_batch",
+    "generate_streaming",
+    "load",
+    "stream",
+]

@@ -14,7 +14,7 @@ the cache in order, so reading the cache never copies it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -270,3 +270,73 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
         for k, s in zip(keys, leaves, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine-facing runner: host-side padding and bucketing around the jitted steps.
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= n (and >= minimum): the padding ladder of prompt lengths."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class Runner:
+    """Drives the decoder steps for the engine (see ``spark_jax.model.Runner``)."""
+
+    def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.dtype = _params_dtype(params)
+
+    def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
+        del max_prompt_len  # the self-attention cache holds the prompt
+        return init_cache(self.config, num_slots, max_len, self.dtype)
+
+    def prefill(
+        self,
+        state: KVCache,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        requests: Sequence[Any] = (),
+    ) -> tuple[jax.Array, KVCache]:
+        del requests  # nothing per request changes a decoder prefill
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1:
+            raise ValueError("a prompt is empty; give at least one token.")
+        tokens = np.zeros((len(prompts), bucket(max(lengths))), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        return prefill(
+            self.params,
+            self.config,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(slots, jnp.int32),
+            state,
+        )
+
+    def decode(
+        self, state: KVCache, tokens: jax.Array, active: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        return decode(self.params, self.config, tokens, active, state)
+
+    def verify(
+        self, state: KVCache, tokens: jax.Array, lengths: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        return verify(self.params, self.config, tokens, lengths, state)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """float32 [T, V]: the logits of every position of one sequence."""
+        ids = list(ids)
+        state = self.init_state(1, bucket(len(ids)))
+        tokens = np.zeros((1, bucket(len(ids))), np.int32)
+        tokens[0, : len(ids)] = ids
+        out, _ = verify(
+            self.params, self.config, jnp.asarray(tokens), jnp.asarray([len(ids)]), state
+        )
+        return np.asarray(out[0, : len(ids)], np.float32)

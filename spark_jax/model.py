@@ -1,0 +1,132 @@
+"""The loaded-model handle and the small protocol the engine drives.
+
+``load(path)`` turns a converted checkpoint directory into a ``Model``: config, params,
+tokenizer and the family's ``Runner``. The engine (``spark_jax.engine``) imports no model
+file: it only calls the ``Runner`` methods below, which both families implement.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
+from spark_jax.models import family
+
+
+class Runner(Protocol):
+    """What a model family gives the engine: a cache of slots, prefill and a decode step."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def init_state(self, num_slots: int, max_len: int, max_prompt_len: int) -> Any:
+        """An empty cache with ``num_slots`` rows of ``max_len`` decoder positions."""
+
+    def prefill(
+        self, state: Any, slots: Sequence[int], prompts: Sequence[Sequence[int]], requests: Any
+    ) -> tuple[jax.Array, Any]:
+        """Starts one sequence per slot; returns the logits [len(slots), V] of its next token."""
+
+    def decode(self, state: Any, tokens: jax.Array, active: jax.Array) -> tuple[jax.Array, Any]:
+        """One token for every row of the cache; returns logits [num_slots, V]."""
+
+
+class SlotPool:
+    """Bounded sequence slots; every acquired slot is given back, on error too."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))[::-1]
+        self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def acquire(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise RuntimeError(
+                    f"{n} sequences asked for but only {len(self._free)} of {self.num_slots} "
+                    "slots are free; wait for running requests to finish or raise max_num_seqs."
+                )
+            return [self._free.pop() for _ in range(n)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+
+@dataclass
+class Model:
+    """A model ready to generate: its config, parameters, tokenizer and step runner."""
+
+    config: ModelConfig | NllbConfig
+    params: Any
+    tokenizer: Any = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    runner: Any = None
+    max_num_seqs: int = 256  # sequences generated at once, over all concurrent calls
+
+    def __post_init__(self) -> None:
+        self.slot_pool = SlotPool(self.max_num_seqs)
+        if self.runner is None:
+            self.runner = family(self.config).Runner(self.config, self.params, self.tokenizer)
+        self.runner.eos_token_ids = self.eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation: the config's, generation_config's and tokenizer's."""
+        ids = list(self.config.eos_token_ids)
+        gen = self.generation_config.get("eos_token_id")
+        ids += [gen] if isinstance(gen, int) else list(gen or [])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.append(tok_eos)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jax.tree_util.tree_leaves(self.params)[0].dtype
+
+    def logits(self, ids: Sequence[int], decoder_ids: Sequence[int] | None = None) -> np.ndarray:
+        """float32 [T, V] logits of every position (of ``decoder_ids`` for encoder-decoders)."""
+        if self.config.is_encoder_decoder:
+            if decoder_ids is None:
+                raise ValueError("an encoder-decoder model needs decoder_ids for logits.")
+            return self.runner.logits(ids, decoder_ids)
+        return self.runner.logits(ids)
+
+
+def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
+    """Loads a directory written by ``python -m conversion.hf_to_orbax``."""
+    from spark_jax.checkpoint import restore_params
+    from spark_jax.tokenizer import Tokenizer
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{path} has no config.json; convert the model first with "
+            "`python -m conversion.hf_to_orbax SRC DST` and load DST."
+        )
+    hf_config = json.loads(config_file.read_text())
+    config = config_from_hf(hf_config)
+    params = restore_params(path, dtype=dtype)
+    gen_file = path / "generation_config.json"
+    generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
+    return Model(config, params, tokenizer, generation_config)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer.model", "sentencepiece.bpe.model")
+    return any((path / n).is_file() for n in names)
