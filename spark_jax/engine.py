@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.sampling import SampleOutput, SamplerBatch, SamplingParams, count_tokens, sample
+from spark_jax.tokenizer import IncrementalDetokenizer
 
 MIN_CACHE_LEN = 256
 
@@ -108,10 +109,9 @@ class _Request:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         eos = () if params.ignore_eos else model.eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
-        tokenizer = model.tokenizer
         self.detok = None
-        if tokenizer is not None and hasattr(tokenizer, "incremental_detokenizer"):
-            self.detok = tokenizer.incremental_detokenizer()
+        if model.tokenizer is not None:
+            self.detok = IncrementalDetokenizer(model.tokenizer)
         self.text = ""  # text decoded so far (before stop-string truncation)
         self.emitted = 0  # characters of text already streamed
         self.finish_reason: str | None = None
