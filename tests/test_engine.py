@@ -35,7 +35,7 @@ def test_chunked_prefill_appends_to_a_row(tiny_llama):
     full = model.logits(ids)
     state = model.runner.init_state(1, 64)
     _, state = model.runner.prefill(state, [0], [ids[:17]])
-    logits, state = model.runner.prefill(state, [0], [ids[17:]])
+    logits, state = model.runner.prefill(state, [0], [ids[17:]], continuing=True)
     np.testing.assert_allclose(np.asarray(logits[0]), full[-1], rtol=0, atol=1e-5)
 
 

@@ -120,7 +120,7 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots):
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh):
         c = self.config
         b, t, _ = x.shape
         qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(x)
@@ -137,7 +137,11 @@ class SelfAttention(nn.Module):
         k_cache = write_kv(k_cache, k, slots, positions)
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
-        out = attention(q, read_rows(k_cache, slots), read_rows(v_cache, slots), mask, window)
+        if fresh:  # a new sequence sees only this chunk: no read of the (longer) cache rows
+            keys, values = k, v
+        else:
+            keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
+        out = attention(q, keys, values, mask, window)
         out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(out.reshape(b, t, -1))
         return out, k_cache, v_cache
 
@@ -148,11 +152,11 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots):
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
         h, k_cache, v_cache = SelfAttention(c, self.layer_idx, self.dtype, name="attn")(
-            h, positions, mask, k_cache, v_cache, slots
+            h, positions, mask, k_cache, v_cache, slots, fresh
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
@@ -176,11 +180,11 @@ class DecoderLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
 
-    def __call__(self, tokens, positions, mask, kv: KVCache, slots):
+    def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False):
         x = self.embed_tokens(tokens)
         ks, vs = [], []
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v, strict=True):
-            x, k_cache, v_cache = layer(x, positions, mask, k_cache, v_cache, slots)
+            x, k_cache, v_cache = layer(x, positions, mask, k_cache, v_cache, slots, fresh)
             ks.append(k_cache)
             vs.append(v_cache)
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=kv.lengths)
@@ -212,23 +216,30 @@ def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
     return params["embed_tokens"]["embedding"].dtype
 
 
-def _run(params, config, tokens, starts, num_new, slots, kv: KVCache):
-    """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache."""
+def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=False):
+    """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
+
+    ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
+    """
     model = DecoderLM(config, _params_dtype(params))
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     key_lengths = starts + num_new
     mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
-    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots)
+    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots, fresh)
     rows = jnp.arange(kv.num_slots) if slots is None else slots
     kv = kv.with_lengths(kv.lengths.at[rows].set(key_lengths))
     return model, hidden, kv
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def prefill(params, config: ModelConfig, tokens, lengths, slots, kv: KVCache):
-    """Appends tokens[B, T] (first ``lengths[b]`` real) to rows ``slots``; logits of the last."""
-    starts = kv.lengths[slots]
-    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv)
+@partial(jax.jit, static_argnames=("config", "fresh"), donate_argnames=("kv",))
+def prefill(params, config: ModelConfig, tokens, lengths, slots, kv: KVCache, fresh=True):
+    """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
+
+    ``fresh`` starts new sequences in those rows; otherwise the tokens are appended to what
+    the rows hold (chunked prefill).
+    """
+    starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
+    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv, fresh)
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
     return logits, kv
@@ -303,7 +314,9 @@ class Runner:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         requests: Sequence[Any] = (),
+        continuing: bool = False,
     ) -> tuple[jax.Array, KVCache]:
+        """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``."""
         del requests  # nothing per request changes a decoder prefill
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
@@ -318,6 +331,7 @@ class Runner:
             jnp.asarray(lengths, jnp.int32),
             jnp.asarray(slots, jnp.int32),
             state,
+            fresh=not continuing,
         )
 
     def decode(
