@@ -1,10 +1,11 @@
 """spark_jax: an LLM and NLLB translation inference engine in JAX/XLA for NVIDIA GPUs.
 
-    import spark_jax as sj
-    m = sj.load(path)
-    r = sj.generate(m, prompt_ids, sj.SamplingParams(max_tokens=64))
+import spark_jax as sj
+m = sj.load(path)
+r = sj.generate(m, prompt_ids, sj.SamplingParams(max_tokens=64))
 """
 
+from spark_jax.beam import BeamRequest, BeamResult, generate_beam
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.engine import (
     GenerationResult,
@@ -19,6 +20,9 @@ from spark_jax.model import Model, load
 from spark_jax.sampling import SamplingParams
 
 __all__ = [
+    "BeamRequest",
+    "BeamResult",
+    "generate_beam",
     "GenerationResult",
     "Model",
     "ModelConfig",

@@ -1,0 +1,635 @@
+"""The M2M100 / NLLB-200 encoder-decoder (``M2M100ForConditionalGeneration``).
+
+Reads top to bottom: checkpoint layout → positions → layers → model → jitted steps → the
+engine-facing runner. Architecture (HF's modeling_m2m_100): one shared embedding scaled by
+sqrt(d_model), fairseq sinusoidal positions that start at ``pad_token_id + 1`` and skip pad
+tokens, pre-LayerNorm blocks with biased projections and a ReLU FFN, a final LayerNorm on
+each stack, and the LM head tied to the shared embedding. Layers are unrolled (DESIGN.md).
+
+    encode(params, config, src[B,S], src_len[B])                      -> hidden[B,S,D]
+    prefill(params, config, src, src_len, seed[B,T0], slots[B], cache) -> (logits[B,V], cache)
+    decode(params, config, tokens[R], active[R], cache)                -> (logits[R,V], cache)
+    forward(params, config, src, src_len, decoder_tokens[B,T])         -> logits[B,T,V]
+    reorder_rows(cache, source_rows[R], with_cross)                    -> cache
+
+``prefill`` runs the encoder, projects every decoder layer's cross-attention K/V once into
+cache rows ``slots``, then runs the decoder seed ``[decoder_start (= eos), target language]``;
+the forced language token is never sampled. ``decode`` runs every row of the cache in order
+(R = num_slots), so reading the cache never copies it. Sources are right-padded with
+``pad_token_id``; ``src_len`` masks the padding.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spark_jax.attention import AttentionMask, attention
+from spark_jax.config import NllbConfig
+from spark_jax.kv_cache import EncoderDecoderCache, read_rows, write_kv
+from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
+from spark_jax.models.weights import WeightSpec
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint layout: HF tensor names → this module tree. Self-attention Q/K/V are fused into one
+# matmul; cross-attention K/V are fused (projected once per request), Q stays apart.
+
+_LN = ("weight", "bias")
+
+
+def _layer_tensors(prefix: str, d: int, f: int, cross: bool) -> dict[str, tuple[int, ...]]:
+    shapes = {"fc1.weight": (f, d), "fc1.bias": (f,), "fc2.weight": (d, f), "fc2.bias": (d,)}
+    attentions = ["self_attn"] + (["encoder_attn"] if cross else [])
+    for attn in attentions:
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes |= {f"{attn}.{proj}.weight": (d, d), f"{attn}.{proj}.bias": (d,)}
+        shapes |= {f"{attn}_layer_norm.{n}": (d,) for n in _LN}
+    shapes |= {f"final_layer_norm.{n}": (d,) for n in _LN}
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def weight_spec(config: NllbConfig) -> WeightSpec:
+    """The HF tensors a checkpoint of this config holds; ``model.shared.weight`` is the embedding.
+
+    The per-stack embeddings and ``lm_head.weight`` are the same tied tensor in HF, so a
+    checkpoint may store them or not.
+    """
+    d, v = config.d_model, config.vocab_size
+    required: dict[str, tuple[int, ...]] = {"model.shared.weight": (v, d)}
+    for stack, layers, ffn in (
+        ("encoder", config.encoder_layers, config.encoder_ffn_dim),
+        ("decoder", config.decoder_layers, config.decoder_ffn_dim),
+    ):
+        required |= {f"model.{stack}.layer_norm.{n}": (d,) for n in _LN}
+        for i in range(layers):
+            required |= _layer_tensors(f"model.{stack}.layers.{i}.", d, ffn, stack == "decoder")
+    optional = {
+        "model.encoder.embed_tokens.weight": (v, d),
+        "model.decoder.embed_tokens.weight": (v, d),
+        "lm_head.weight": (v, d),
+    }
+    return WeightSpec(required=required, optional=optional)
+
+
+def params_from_hf(config: NllbConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """HF tensors (torch layout, [out, in]) → this model's params tree (kernels [in, out])."""
+
+    def t(name: str) -> np.ndarray:
+        return np.asarray(tensors[name])
+
+    def norm(name: str) -> dict[str, np.ndarray]:
+        return {"scale": t(name + ".weight"), "bias": t(name + ".bias")}
+
+    def linear(names: Sequence[str]) -> dict[str, np.ndarray]:
+        kernel = np.concatenate([t(n + ".weight") for n in names], axis=0).T
+        return {"kernel": kernel, "bias": np.concatenate([t(n + ".bias") for n in names])}
+
+    def layer(p: str, cross: bool) -> dict[str, Any]:
+        out = {
+            "self_attn_norm": norm(p + "self_attn_layer_norm"),
+            "self_attn": {
+                "qkv_proj": linear([p + f"self_attn.{n}_proj" for n in "qkv"]),
+                "out_proj": linear([p + "self_attn.out_proj"]),
+            },
+            "ffn_norm": norm(p + "final_layer_norm"),
+            "mlp": {"fc1": linear([p + "fc1"]), "fc2": linear([p + "fc2"])},
+        }
+        if cross:
+            out["cross_attn_norm"] = norm(p + "encoder_attn_layer_norm")
+            out["cross_attn"] = {
+                "q_proj": linear([p + "encoder_attn.q_proj"]),
+                "kv_proj": linear([p + "encoder_attn.k_proj", p + "encoder_attn.v_proj"]),
+                "out_proj": linear([p + "encoder_attn.out_proj"]),
+            }
+        return out
+
+    params: dict[str, Any] = {
+        "shared": {"embedding": t("model.shared.weight")},
+        "encoder_norm": norm("model.encoder.layer_norm"),
+        "decoder_norm": norm("model.decoder.layer_norm"),
+    }
+    for i in range(config.encoder_layers):
+        params[f"encoder_layers_{i}"] = layer(f"model.encoder.layers.{i}.", cross=False)
+    for i in range(config.decoder_layers):
+        params[f"decoder_layers_{i}"] = layer(f"model.decoder.layers.{i}.", cross=True)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions: fairseq's, as HF computes them from the token ids.
+
+
+def position_ids(tokens: jax.Array, pad_token_id: int, past_lengths: jax.Array) -> jax.Array:
+    """HF's ``create_position_ids_from_input_ids``: int32[B, T].
+
+    Non-pad tokens count from ``pad_token_id + 1`` (continuing after ``past_lengths`` earlier
+    tokens); pad tokens sit at ``pad_token_id``, whose table row is zero.
+    """
+    real = (tokens != pad_token_id).astype(jnp.int32)
+    return (jnp.cumsum(real, axis=1) + past_lengths[:, None]) * real + pad_token_id
+
+
+def _position_table_size(config: NllbConfig, *lengths: int) -> int:
+    # HF grows its table on demand; a static table covering every buffer is the same rows.
+    return max(config.max_position_embeddings, *lengths) + config.pad_token_id + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers.
+
+
+def _heads(x: jax.Array, num_heads: int) -> jax.Array:
+    """[B, T, D] → [B, T, N, H]."""
+    return x.reshape(*x.shape[:-1], num_heads, x.shape[-1] // num_heads)
+
+
+def _merge_heads(x: jax.Array) -> jax.Array:
+    """[B, T, N, H] → [B, T, D]."""
+    return x.reshape(*x.shape[:-2], -1)
+
+
+class SelfAttention(nn.Module):
+    """Biased multi-head self-attention; with ``cache`` (k, v) the new keys are appended first."""
+
+    d_model: int
+    num_heads: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, mask, cache=None, slots=None, cache_positions=None):
+        qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(x)
+        q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
+        if cache is not None:
+            k_cache, v_cache = cache
+            cache = (
+                write_kv(k_cache, k, slots, cache_positions),
+                write_kv(v_cache, v, slots, cache_positions),
+            )
+            k, v = read_rows(cache[0], slots), read_rows(cache[1], slots)
+        out = _merge_heads(attention(q, k, v, mask))
+        return Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")(out), cache
+
+
+class CrossAttention(nn.Module):
+    """Decoder → encoder attention. ``project_kv`` runs once per request, at prefill."""
+
+    d_model: int
+    num_heads: int
+    dtype: jnp.dtype
+
+    def setup(self):
+        self.q_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype)
+        self.kv_proj = Linear(2 * self.d_model, use_bias=True, dtype=self.dtype)
+        self.out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype)
+
+    def project_kv(self, encoder_hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[B, S, D] → k, v [B, S, N, H]."""
+        k, v = jnp.split(self.kv_proj(encoder_hidden), 2, axis=-1)
+        return _heads(k, self.num_heads), _heads(v, self.num_heads)
+
+    def __call__(self, x, k, v, mask):
+        q = _heads(self.q_proj(x), self.num_heads)
+        return self.out_proj(_merge_heads(attention(q, k, v, mask)))
+
+
+class ReluMLP(nn.Module):
+    d_model: int
+    ffn_dim: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        h = Linear(self.ffn_dim, use_bias=True, dtype=self.dtype, name="fc1")(x)
+        h = jax.nn.relu(h)
+        return Linear(self.d_model, use_bias=True, dtype=self.dtype, name="fc2")(h)
+
+
+class EncoderLayer(nn.Module):
+    config: NllbConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, mask):
+        c = self.config
+        norm = partial(LayerNorm, c.layer_norm_eps, self.dtype)
+        attn = SelfAttention(c.d_model, c.encoder_attention_heads, self.dtype, name="self_attn")
+        x = x + attn(norm(name="self_attn_norm")(x), mask)[0]
+        mlp = ReluMLP(c.d_model, c.encoder_ffn_dim, self.dtype, name="mlp")
+        return x + mlp(norm(name="ffn_norm")(x))
+
+
+class DecoderLayer(nn.Module):
+    config: NllbConfig
+    dtype: jnp.dtype
+
+    def setup(self):
+        c, heads = self.config, self.config.decoder_attention_heads
+        self.self_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        self.self_attn = SelfAttention(c.d_model, heads, self.dtype)
+        self.cross_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        self.cross_attn = CrossAttention(c.d_model, heads, self.dtype)
+        self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
+
+    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions):
+        """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read."""
+        h, kv = self.self_attn(self.self_attn_norm(x), self_mask, kv, slots, cache_positions)
+        x = x + h
+        x = x + self.cross_attn(self.cross_attn_norm(x), *cross_kv, cross_mask)
+        return x + self.mlp(self.ffn_norm(x)), kv
+
+
+class Nllb(nn.Module):
+    """The encoder and decoder stacks around one shared embedding; methods are the phases."""
+
+    config: NllbConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.dtype)
+        self.encoder_layers = [EncoderLayer(c, self.dtype) for _ in range(c.encoder_layers)]
+        self.encoder_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        self.decoder_layers = [DecoderLayer(c, self.dtype) for _ in range(c.decoder_layers)]
+        self.decoder_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+
+    def embed(self, tokens, positions, table_size: int):
+        """Scaled token embedding plus the sinusoidal position embedding, summed in fp32."""
+        c = self.config
+        scale = float(np.sqrt(c.d_model)) if c.scale_embedding else 1.0
+        table = jnp.asarray(sinusoidal_table(table_size, c.d_model, c.pad_token_id))
+        x = self.shared(tokens).astype(jnp.float32) * scale + table[positions]
+        return x.astype(self.dtype)
+
+    def encode(self, src, src_len):
+        """Source ids [B, S] (right-padded) → final encoder hidden states [B, S, D]."""
+        positions = position_ids(src, self.config.pad_token_id, jnp.zeros_like(src_len))
+        x = self.embed(src, positions, _position_table_size(self.config, src.shape[1]))
+        mask = AttentionMask(jnp.zeros_like(src), src_len, causal=False)
+        for layer in self.encoder_layers:
+            x = layer(x, mask)
+        return self.encoder_norm(x)
+
+    def cross_kv(self, encoder_hidden):
+        """Every decoder layer's cross-attention (k, v), each [B, S, N, H]."""
+        return tuple(layer.cross_attn.project_kv(encoder_hidden) for layer in self.decoder_layers)
+
+    def decode(self, tokens, starts, num_new, cross_kv, source_lengths, cache, slots):
+        """Runs tokens[B, T] at cache positions starts[b] + t; returns hidden and new (k, v)s.
+
+        ``cross_kv`` holds each layer's (k, v) rows for this batch; ``cache`` the self-attention
+        (k, v) buffers, written at rows ``slots`` (every row in order when None).
+        """
+        c = self.config
+        cache_positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        positions = position_ids(tokens, c.pad_token_id, starts)
+        x = self.embed(tokens, positions, _position_table_size(c, cache[0][0].shape[1]))
+        self_mask = AttentionMask(cache_positions, starts + num_new)
+        cross_mask = AttentionMask(jnp.zeros_like(tokens), source_lengths, causal=False)
+        new_cache = []
+        for layer, kv, layer_cross in zip(self.decoder_layers, cache, cross_kv, strict=True):
+            x, kv = layer(x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions)
+            new_cache.append(kv)
+        return self.decoder_norm(x), tuple(new_cache)
+
+    def logits(self, hidden):
+        """fp32 logits of hidden states [..., D] through the tied LM head."""
+        table = self.shared.embedding
+        return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+
+    def init_all(self, src, src_len, tokens, cache):
+        """Touches every parameter once, for ``init``."""
+        cross = self.cross_kv(self.encode(src, src_len))
+        zeros = jnp.zeros_like(src_len)
+        hidden, _ = self.decode(tokens, zeros, zeros + 1, cross, src_len, cache, None)
+        return self.logits(hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
+
+
+def init_cache(
+    config: NllbConfig, num_slots: int, max_len: int, max_source_len: int, dtype: jnp.dtype
+) -> EncoderDecoderCache:
+    heads = config.decoder_attention_heads
+    return EncoderDecoderCache.create(
+        config.decoder_layers,
+        num_slots,
+        max_len,
+        max_source_len,
+        heads,
+        config.d_model // heads,
+        dtype,
+    )
+
+
+def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
+    return params["shared"]["embedding"].dtype
+
+
+def _self_kv(cache: EncoderDecoderCache):
+    return tuple(zip(cache.k, cache.v, strict=True))
+
+
+def _with_self_kv(cache: EncoderDecoderCache, kvs, lengths) -> EncoderDecoderCache:
+    k, v = zip(*kvs, strict=True)
+    return EncoderDecoderCache(
+        k=tuple(k),
+        v=tuple(v),
+        cross_k=cache.cross_k,
+        cross_v=cache.cross_v,
+        lengths=lengths,
+        source_lengths=cache.source_lengths,
+    )
+
+
+@partial(jax.jit, static_argnames=("config",))
+def encode(params, config: NllbConfig, src, src_len):
+    """Source ids [B, S] (right-padded with pad) → encoder hidden states [B, S, D]."""
+    model = Nllb(config, _params_dtype(params))
+    return model.apply({"params": params}, src, src_len, method=Nllb.encode)
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def prefill(params, config: NllbConfig, src, src_len, seed, slots, cache: EncoderDecoderCache):
+    """Encodes src[B, S] into rows ``slots`` and runs the decoder seed[B, T0]; last logits [B,V].
+
+    Slots past the cache (padding of a bucketed batch) are dropped by every write.
+    """
+    model = Nllb(config, _params_dtype(params))
+    apply = partial(model.apply, {"params": params})
+    cross = apply(apply(src, src_len, method=Nllb.encode), method=Nllb.cross_kv)
+    source_positions = jnp.broadcast_to(jnp.arange(src.shape[1]), src.shape)
+    write = lambda buffers, new: tuple(
+        write_kv(b, x, slots, source_positions) for b, x in zip(buffers, new, strict=True)
+    )
+    starts = jnp.zeros_like(src_len)
+    num_new = jnp.full_like(src_len, seed.shape[1])
+    hidden, kvs = apply(
+        seed, starts, num_new, cross, src_len, _self_kv(cache), slots, method=Nllb.decode
+    )
+    k, v = zip(*kvs, strict=True)
+    cache = EncoderDecoderCache(
+        k=tuple(k),
+        v=tuple(v),
+        cross_k=write(cache.cross_k, [kv[0] for kv in cross]),
+        cross_v=write(cache.cross_v, [kv[1] for kv in cross]),
+        lengths=cache.lengths.at[slots].set(num_new, mode="drop"),
+        source_lengths=cache.source_lengths.at[slots].set(src_len, mode="drop"),
+    )
+    return apply(hidden[:, -1], method=Nllb.logits), cache
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def decode(params, config: NllbConfig, tokens, active, cache: EncoderDecoderCache):
+    """One token per cache row; rows where ``active`` is False keep their length."""
+    model = Nllb(config, _params_dtype(params))
+    apply = partial(model.apply, {"params": params})
+    num_new = active.astype(jnp.int32)
+    cross = tuple(zip(cache.cross_k, cache.cross_v, strict=True))
+    hidden, kvs = apply(
+        tokens[:, None],
+        cache.lengths,
+        num_new,
+        cross,
+        cache.source_lengths,
+        _self_kv(cache),
+        None,
+        method=Nllb.decode,
+    )
+    cache = _with_self_kv(cache, kvs, cache.lengths + num_new)
+    return apply(hidden[:, 0], method=Nllb.logits), cache
+
+
+@partial(jax.jit, static_argnames=("config",))
+def forward(params, config: NllbConfig, src, src_len, decoder_tokens):
+    """Teacher-forced logits [B, T, V] of decoder_tokens[B, T] (HF's full forward)."""
+    model = Nllb(config, _params_dtype(params))
+    apply = partial(model.apply, {"params": params})
+    cross = apply(apply(src, src_len, method=Nllb.encode), method=Nllb.cross_kv)
+    b, t = decoder_tokens.shape
+    scratch = init_cache(config, b, t, 1, _params_dtype(params))
+    zeros = jnp.zeros_like(src_len)
+    hidden, _ = apply(
+        decoder_tokens,
+        zeros,
+        zeros + t,
+        cross,
+        src_len,
+        _self_kv(scratch),
+        None,
+        method=Nllb.decode,
+    )
+    return apply(hidden, method=Nllb.logits)
+
+
+@partial(jax.jit, static_argnames=("with_cross",), donate_argnames=("cache",))
+def reorder_rows(cache: EncoderDecoderCache, source_rows, with_cross: bool = False):
+    """Row r becomes row ``source_rows[r]`` (beam search); a gather on device."""
+    return cache.gather_rows(source_rows, with_cross)
+
+
+def init_params(config: NllbConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
+    """Random parameters of the right tree and shapes (benchmarks and tests)."""
+    model = Nllb(config, dtype)
+    cache = _self_kv(init_cache(config, 1, 4, 4, dtype))
+    src = jnp.full((1, 4), config.eos_token_id, jnp.int32)
+    src_len = jnp.full((1,), 4, jnp.int32)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(
+        lambda k: model.init(k, src, src_len, tokens, cache, method=Nllb.init_all)["params"],
+        key,
+    )
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    arrays = [
+        (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        for k, s in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine-facing runner: validation, language codes, padding and bucketing around the steps.
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= n (and >= minimum): the padding ladder of shapes."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class NllbRunner:
+    """Drives the NLLB steps for the engine (``spark_jax.model.Runner``) and for beam search.
+
+    ``tokenizer`` maps language codes to ids: a ``spark_jax.tokenizer.Tokenizer`` or a plain
+    ``{code: id}`` mapping. ``default_tgt_lang`` is used by requests that name no target.
+    """
+
+    def __init__(
+        self,
+        config: NllbConfig,
+        params: dict[str, Any],
+        tokenizer: Any = None,
+        default_tgt_lang: str | None = None,
+    ):
+        self.config = config
+        self.params = params
+        self.tokenizer = tokenizer
+        self.default_tgt_lang = default_tgt_lang
+        self.dtype = _params_dtype(params)
+        self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @property
+    def max_source_len(self) -> int:
+        """The longest source accepted: the model's positions minus fairseq's offset of 2."""
+        return self.config.max_position_embeddings - 2
+
+    def language_id(self, code: str) -> int:
+        """The token id of an NLLB language code; ValueError naming close codes if unknown."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"language code {code!r} given but this model has no tokenizer to map it; "
+                "load a checkpoint with its tokenizer or pass a {code: id} mapping."
+            )
+        if isinstance(self.tokenizer, Mapping):
+            if code in self.tokenizer:
+                return int(self.tokenizer[code])
+            close = difflib.get_close_matches(code, list(self.tokenizer), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"unknown language code {code!r}{hint}")
+        return int(self.tokenizer.lang_code_to_id(code))
+
+    def target_language_id(self, request: Any) -> int:
+        """The forced first target token of a request: its ``tgt_lang``, else the default."""
+        code = getattr(request, "tgt_lang", None) or self.default_tgt_lang
+        if code is None:
+            raise ValueError(
+                "no target language: set tgt_lang on the request (e.g. 'fra_Latn') or give "
+                "the runner a default_tgt_lang."
+            )
+        return self.language_id(code)
+
+    def check_source(self, prompt: Sequence[int], request: Any = None) -> None:
+        """ValueError for a source the model cannot translate."""
+        if len(prompt) == 0:
+            raise ValueError("the source is empty; give at least one token ([src_lang] ... </s>).")
+        if len(prompt) > self.max_source_len:
+            raise ValueError(
+                f"the source has {len(prompt)} tokens but this model's positions allow at most "
+                f"{self.max_source_len} (max_position_embeddings - 2); split the text."
+            )
+        src_lang = getattr(request, "src_lang", None)
+        if src_lang is not None and prompt[0] != self.language_id(src_lang):
+            raise ValueError(
+                f"the source does not start with the {src_lang!r} token; NLLB sources are "
+                "[src_lang] tokens </s> (Tokenizer.encode_source builds them)."
+            )
+
+    # -- the Runner protocol ----------------------------------------------------------------
+
+    def init_state(
+        self, num_slots: int, max_len: int, max_prompt_len: int = 0
+    ) -> EncoderDecoderCache:
+        """``max_len`` decoder positions per row (seed included); sources up to max_prompt_len."""
+        max_source = bucket(min(max(max_prompt_len, 1), self.max_source_len))
+        return init_cache(self.config, num_slots, max_len, max_source, self.dtype)
+
+    def prefill(
+        self,
+        state: EncoderDecoderCache,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        requests: Sequence[Any] = (),
+    ) -> tuple[jax.Array, EncoderDecoderCache]:
+        """Encodes each source into its slot and seeds the decoder; logits [len(slots), V].
+
+        Every request is validated before any device work, so an error leaves ``state``
+        untouched (it is donated only once all of them pass).
+        """
+        requests = list(requests) or [None] * len(prompts)
+        for prompt, request in zip(prompts, requests, strict=True):
+            self.check_source(prompt, request)
+            if len(prompt) > state.max_source_len:
+                raise ValueError(
+                    f"the source has {len(prompt)} tokens but the cache holds sources of at "
+                    f"most {state.max_source_len}; raise max_prompt_len in init_state."
+                )
+        targets = [self.target_language_id(r) for r in requests]
+        n = len(prompts)
+        rows = bucket(n, minimum=1)
+        c = self.config
+        src = np.full((rows, bucket(max(len(p) for p in prompts))), c.pad_token_id, np.int32)
+        src_len = np.ones((rows,), np.int32)
+        src[:, 0] = c.eos_token_id  # padding rows: a one-token source, written nowhere
+        seed = np.full((rows, 2), c.decoder_start_token_id, np.int32)
+        slot_ids = np.full((rows,), state.num_slots, np.int32)  # out of range: dropped
+        for row, (prompt, target, slot) in enumerate(zip(prompts, targets, slots, strict=True)):
+            src[row, : len(prompt)] = prompt
+            src_len[row] = len(prompt)
+            seed[row, 1] = target
+            slot_ids[row] = slot
+        logits, state = prefill(
+            self.params,
+            c,
+            jnp.asarray(src),
+            jnp.asarray(src_len),
+            jnp.asarray(seed),
+            jnp.asarray(slot_ids),
+            state,
+        )
+        return logits[:n], state
+
+    def prefill_chunk(self, *args: Any, **kwargs: Any) -> None:
+        """Chunked prefill does not apply to an encoder-decoder: refused."""
+        raise ValueError(
+            "chunked prefill is not supported for NLLB / M2M100: the encoder must see the "
+            "whole source at once (its attention is bidirectional), so the source is encoded "
+            "in one prefill; disable chunked prefill for this model."
+        )
+
+    def decode(
+        self, state: EncoderDecoderCache, tokens: jax.Array, active: jax.Array
+    ) -> tuple[jax.Array, EncoderDecoderCache]:
+        return decode(self.params, self.config, tokens, active, state)
+
+    def reorder_rows(
+        self, state: EncoderDecoderCache, source_rows: jax.Array, with_cross: bool = False
+    ) -> EncoderDecoderCache:
+        """Row r becomes row ``source_rows[r]`` (cross K/V too when ``with_cross``)."""
+        return reorder_rows(state, source_rows, with_cross)
+
+    def logits(self, src_ids: Sequence[int], decoder_ids: Sequence[int]) -> np.ndarray:
+        """float32 [T_dec, V]: HF's teacher-forced logits of one source and decoder sequence."""
+        self.check_source(src_ids)
+        if len(decoder_ids) == 0:
+            raise ValueError("decoder_ids is empty; start it with decoder_start_token_id.")
+        pad = self.config.pad_token_id
+        src = np.full((1, bucket(len(src_ids))), pad, np.int32)
+        src[0, : len(src_ids)] = src_ids
+        # Padding after the last decoder token cannot change earlier positions (causal).
+        dec = np.full((1, bucket(len(decoder_ids))), pad, np.int32)
+        dec[0, : len(decoder_ids)] = decoder_ids
+        out = forward(
+            self.params,
+            self.config,
+            jnp.asarray(src),
+            jnp.asarray([len(src_ids)], jnp.int32),
+            jnp.asarray(dec),
+        )
+        return np.asarray(out[0, : len(decoder_ids)], np.float32)
+
+
+Runner = NllbRunner  # the name ``spark_jax.model.Model`` looks up in every family

@@ -1,0 +1,154 @@
+"""Beam search against HF ``generate(num_beams=...)``, co-batching invariance, validation."""
+
+from __future__ import annotations
+
+import itertools
+
+import nllb_fixtures as nf
+import numpy as np
+import pytest
+import torch
+
+from spark_jax.beam import BeamRequest, generate_beam
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return nf.tiny_hf(encoder_layers=2, decoder_layers=3)
+
+
+@pytest.fixture(scope="module")
+def runner(hf):
+    return nf.ours(hf)
+
+
+def _hf_beam(hf, sources, tgt_lang="fra_Latn", **knobs):
+    ids, mask = nf.padded_batch(sources)
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            forced_bos_token_id=nf.LANGUAGE_IDS[tgt_lang],
+            max_new_tokens=knobs.pop("max_new") + 1,  # + the forced language token
+            output_scores=True,
+            return_dict_in_generate=True,
+            **knobs,
+        )
+    return [nf.strip_hf_output(r) for r in out.sequences.tolist()], out.sequences_scores.numpy()
+
+
+GRID = list(itertools.product([2, 4, 5], [0.6, 1.0, 1.3], [True, False, "never"]))
+
+
+@pytest.mark.parametrize("num_beams, length_penalty, early_stopping", GRID)
+def test_beam_search_is_sequence_identical_to_hf(
+    hf, runner, num_beams, length_penalty, early_stopping
+):
+    sources = nf.random_sources(seed=10, count=10)
+    knobs = dict(
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        max_new=MAX_NEW,
+    )
+    ref_sequences, ref_scores = _hf_beam(hf, sources, **knobs)
+    results = generate_beam(runner, [BeamRequest(s, **knobs) for s in sources])
+    assert [r.sequences[0] for r in results] == ref_sequences
+    np.testing.assert_allclose([r.scores[0] for r in results], ref_scores, rtol=0, atol=1e-4)
+
+
+def test_early_stopping_modes_lead_to_different_translations(runner):
+    """Guards the grid above against a model whose beams never differ by stopping rule."""
+    sources = nf.random_sources(seed=10, count=10)
+    best = {
+        mode: [
+            r.sequences[0]
+            for r in generate_beam(
+                runner,
+                [
+                    BeamRequest(
+                        s, num_beams=2, length_penalty=1.3, early_stopping=mode, max_new=MAX_NEW
+                    )
+                    for s in sources
+                ],
+            )
+        ]
+        for mode in (True, False, "never")
+    }
+    assert best[True] != best[False] != best["never"]
+
+
+def test_several_returned_sequences_match_hf_in_order(hf, runner):
+    sources = nf.random_sources(seed=11, count=6)
+    knobs = dict(num_beams=4, length_penalty=1.0, early_stopping=False, max_new=MAX_NEW)
+    ref_sequences, ref_scores = _hf_beam(hf, sources, num_return_sequences=3, **knobs)
+    results = generate_beam(
+        runner, [BeamRequest(s, num_return_sequences=3, **knobs) for s in sources]
+    )
+    assert [seq for r in results for seq in r.sequences] == ref_sequences
+    ours = [score for r in results for score in r.scores]
+    np.testing.assert_allclose(ours, ref_scores, rtol=0, atol=1e-4)
+
+
+def _mixed_requests() -> list[BeamRequest]:
+    rng = np.random.default_rng(12)
+    langs = ["fra_Latn", "deu_Latn", "zho_Hans", None]
+    modes = [True, False, "never"]
+    return [
+        BeamRequest(
+            nf.random_source(rng, int(rng.integers(3, 40))),
+            tgt_lang=langs[i % 4],
+            num_beams=[1, 2, 3, 4, 5][i % 5],
+            max_new=int(rng.integers(4, MAX_NEW)),
+            length_penalty=[0.6, 1.0, 1.3][i % 3],
+            early_stopping=modes[i % 3],
+            num_return_sequences=1 + (i % 2) * ([1, 2, 3, 4, 5][i % 5] > 1),
+        )
+        for i in range(8)
+    ]
+
+
+def _as_tuples(results):
+    return [(r.sequences, np.round(r.scores, 4).tolist()) for r in results]
+
+
+def test_co_batched_requests_give_the_results_of_each_run_alone(runner):
+    requests = _mixed_requests()
+    alone = [generate_beam(runner, [r])[0] for r in requests]
+    together = generate_beam(runner, requests)
+    assert _as_tuples(together) == _as_tuples(alone)
+    # Too few rows for all beams at once: later requests reuse the rows of finished ones.
+    assert _as_tuples(generate_beam(runner, requests, max_rows=8)) == _as_tuples(alone)
+
+
+def test_the_target_language_of_each_request_is_forced(hf, runner):
+    sources = nf.random_sources(seed=13, count=4)
+    knobs = dict(num_beams=3, length_penalty=1.0, early_stopping=True, max_new=MAX_NEW)
+    for lang in ("deu_Latn", "zho_Hans"):
+        ref_sequences, _ = _hf_beam(hf, sources, tgt_lang=lang, **knobs)
+        results = generate_beam(runner, [BeamRequest(s, tgt_lang=lang, **knobs) for s in sources])
+        assert [r.sequences[0] for r in results] == ref_sequences
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(num_beams=0), "num_beams must be an integer >= 1"),
+        (dict(num_beams=2, num_return_sequences=3), r"num_return_sequences \(3\) must be <="),
+        (dict(max_new=0), "max_new must be an integer >= 1"),
+        (dict(early_stopping="sometimes"), "early_stopping must be"),
+    ],
+)
+def test_invalid_beam_requests_are_refused_naming_the_field(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        BeamRequest([nf.LANGUAGE_IDS["eng_Latn"], 5, nf.EOS], **knobs)
+
+
+def test_one_bad_request_fails_the_whole_call_naming_it(runner):
+    good = BeamRequest(nf.random_sources(seed=14, count=1)[0])
+    with pytest.raises(ValueError, match=r"request 1: unknown language code 'xx_Latn'"):
+        generate_beam(runner, [good, BeamRequest(good.prompt_tokens, tgt_lang="xx_Latn")])
+    with pytest.raises(ValueError, match="request 0: the source is empty"):
+        generate_beam(runner, [BeamRequest([]), good])
