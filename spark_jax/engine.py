@@ -227,20 +227,23 @@ def stream_batch(
     plist = _as_list(params, len(prompts))
     _check_prompts(model, prompts, plist)
     runner = model.runner
+    adapters = [model.adapter_slot(p.adapter) for p in plist]  # unknown names fail here
     slots = model.slot_pool.acquire(len(prompts))
     try:
-        yield from _run_loop(model, runner, prompts, plist, results)
+        yield from _run_loop(model, runner, prompts, plist, adapters, results)
     finally:
         model.slot_pool.release(slots)
 
 
-def _run_loop(model, runner, prompts, plist, results):
+def _run_loop(model, runner, prompts, plist, adapters, results):
     t0 = time.perf_counter()
     n = len(prompts)
     rows = [_Request(i, p, sp, model) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
     max_len = cache_len(max(len(p) + sp.max_tokens for p, sp in zip(prompts, plist, strict=True)))
     state = runner.init_state(n, max_len, max(len(p) for p in prompts))
-    logits, state = runner.prefill(state, list(range(n)), prompts, plist)
+    # Adapters go to the runner only when a pool exists, so plain models keep one compile.
+    lora = {} if model.lora_pool is None else {"adapters": adapters}
+    logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora)
     vocab = logits.shape[-1]
 
     fast = all(_plain_greedy(p) for p in plist)
@@ -269,7 +272,7 @@ def _run_loop(model, runner, prompts, plist, results):
         # Dispatch the next step before reading this one: the device runs while we check stops.
         if active.any():
             active_dev = jnp.asarray(active)
-            logits, state = runner.decode(state, tokens_dev, active_dev)
+            logits, state = runner.decode(state, tokens_dev, active_dev, **lora)
             if fast:
                 next_out = _pick_greedy(logits)
             else:

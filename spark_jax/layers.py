@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.lora import LoraBatch, scope
+
 Dtype = jnp.dtype
 
 
@@ -25,13 +27,15 @@ class Linear(nn.Module):
     out_dtype: Dtype | None = None  # fp32 for logits; default: the parameter dtype
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
         kernel = self.param(
             "kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype
         )
         y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=jnp.float32)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        if lora is not None:  # per-row adapters: y += ((x a) * row_mask) b
+            y = y + lora.delta(x)
         return y.astype(self.out_dtype or self.dtype)
 
 
@@ -86,11 +90,15 @@ class GatedMLP(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = Linear(2 * self.intermediate_size, dtype=self.dtype, name="gate_up_proj")(x)
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
+        gate_up = Linear(2 * self.intermediate_size, dtype=self.dtype, name="gate_up_proj")(
+            x, scope(lora, "gate_up_proj")
+        )
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(self.dtype)
-        return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(hidden)
+        return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(
+            hidden, scope(lora, "down_proj")
+        )
 
 
 def sinusoidal_table(num_positions: int, dim: int, padding_idx: int | None) -> np.ndarray:

@@ -97,13 +97,61 @@ class Model:
     def dtype(self) -> jnp.dtype:
         return jax.tree_util.tree_leaves(self.params)[0].dtype
 
-    def logits(self, ids: Sequence[int], decoder_ids: Sequence[int] | None = None) -> np.ndarray:
+    def logits(
+        self,
+        ids: Sequence[int],
+        decoder_ids: Sequence[int] | None = None,
+        adapter: str | None = None,
+    ) -> np.ndarray:
         """float32 [T, V] logits of every position (of ``decoder_ids`` for encoder-decoders)."""
+        kwargs = {} if adapter is None else {"adapter": self.adapter_slot(adapter)}
         if self.config.is_encoder_decoder:
             if decoder_ids is None:
                 raise ValueError("an encoder-decoder model needs decoder_ids for logits.")
-            return self.runner.logits(ids, decoder_ids)
-        return self.runner.logits(ids)
+            return self.runner.logits(ids, decoder_ids, **kwargs)
+        return self.runner.logits(ids, **kwargs)
+
+    # LoRA adapters: a fixed pool, so adding one never recompiles a step.
+
+    @property
+    def lora_pool(self) -> Any:
+        return getattr(self.runner, "lora_pool", None)
+
+    def enable_lora(self, max_adapters: int = 8, max_rank: int = 16) -> None:
+        """Creates the adapter pool (its size is fixed: steps compile once for it)."""
+        from spark_jax.lora import LoraPool
+
+        if self.lora_pool is not None:
+            raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
+        targets = family(self.config).lora_targets(self.config)
+        self.runner.lora_pool = LoraPool(targets, max_adapters, max_rank, self.dtype)
+
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Loads a PEFT adapter directory under ``name`` (selected by SamplingParams.adapter)."""
+        from spark_jax.lora import read_peft_adapter
+
+        adapter = read_peft_adapter(path, name)
+        if self.lora_pool is None:
+            self.enable_lora(max_rank=max(16, adapter.rank))
+        self.lora_pool.add(adapter)
+
+    def remove_adapter(self, name: str) -> None:
+        if self.lora_pool is None:
+            raise ValueError(f"adapter {name!r} is not loaded; no adapter is.")
+        self.lora_pool.remove(name)
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The pool slot of an adapter name (-1 = base); unknown names are refused."""
+        if name is None:
+            return -1
+        if self.lora_pool is None:
+            raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
+        return self.lora_pool.index(name)
+
+    def merged(self, name: str) -> Model:
+        """A copy of this model with one adapter folded into its weights (no per-row LoRA)."""
+        params = self.lora_pool.merged_params(self.params, name)
+        return Model(self.config, params, self.tokenizer, self.generation_config)
 
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:

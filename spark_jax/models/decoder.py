@@ -27,6 +27,7 @@ from spark_jax.attention import AttentionMask, attention
 from spark_jax.config import ModelConfig
 from spark_jax.kv_cache import KVCache, read_rows, write_kv
 from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from spark_jax.lora import LoraTarget, scope
 from spark_jax.models.weights import WeightSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +111,26 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> di
     return params
 
 
+def lora_targets(config: ModelConfig) -> dict[str, LoraTarget]:
+    """PEFT module names → where their low-rank updates land in our fused layers."""
+    d, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    targets = {}
+    for i in range(config.num_layers):
+        p, layer = f"model.layers.{i}.", f"layers_{i}"
+        qkv = (layer, "attn", "qkv_proj")
+        gate_up = (layer, "mlp", "gate_up_proj")
+        targets |= {
+            p + "self_attn.q_proj": LoraTarget(qkv, 0, 3, d, 0, q, q + 2 * kv),
+            p + "self_attn.k_proj": LoraTarget(qkv, 1, 3, d, q, kv, q + 2 * kv),
+            p + "self_attn.v_proj": LoraTarget(qkv, 2, 3, d, q + kv, kv, q + 2 * kv),
+            p + "self_attn.o_proj": LoraTarget((layer, "attn", "o_proj"), 0, 1, q, 0, d, d),
+            p + "mlp.gate_proj": LoraTarget(gate_up, 0, 2, d, 0, f, 2 * f),
+            p + "mlp.up_proj": LoraTarget(gate_up, 1, 2, d, f, f, 2 * f),
+            p + "mlp.down_proj": LoraTarget((layer, "mlp", "down_proj"), 0, 1, f, 0, d, d),
+        }
+    return targets
+
+
 # ---------------------------------------------------------------------------------------------
 # The model.
 
@@ -120,10 +141,12 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh):
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         b, t, _ = x.shape
-        qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(x)
+        qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(
+            x, scope(lora, "qkv_proj")
+        )
         q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -142,7 +165,9 @@ class SelfAttention(nn.Module):
         else:
             keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
         out = attention(q, keys, values, mask, window)
-        out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(out.reshape(b, t, -1))
+        out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(
+            out.reshape(b, t, -1), scope(lora, "o_proj")
+        )
         return out, k_cache, v_cache
 
 
@@ -152,15 +177,17 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh):
+    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
         h, k_cache, v_cache = SelfAttention(c, self.layer_idx, self.dtype, name="attn")(
-            h, positions, mask, k_cache, v_cache, slots, fresh
+            h, positions, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn")
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
-        x = x + GatedMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
+        x = x + GatedMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(
+            h, scope(lora, "mlp")
+        )
         return x, k_cache, v_cache
 
 
@@ -180,11 +207,13 @@ class DecoderLM(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
 
-    def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False):
+    def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None):
         x = self.embed_tokens(tokens)
         ks, vs = [], []
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v, strict=True):
-            x, k_cache, v_cache = layer(x, positions, mask, k_cache, v_cache, slots, fresh)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v, strict=True)):
+            x, k_cache, v_cache = layer(
+                x, positions, mask, k_cache, v_cache, slots, fresh, scope(lora, f"layers_{i}")
+            )
             ks.append(k_cache)
             vs.append(v_cache)
         return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=kv.lengths)
@@ -216,7 +245,7 @@ def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
     return params["embed_tokens"]["embedding"].dtype
 
 
-def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=False):
+def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=False, lora=None):
     """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
 
     ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
@@ -225,40 +254,43 @@ def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=Fals
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     key_lengths = starts + num_new
     mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
-    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots, fresh)
+    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots, fresh, lora)
     rows = jnp.arange(kv.num_slots) if slots is None else slots
     kv = kv.with_lengths(kv.lengths.at[rows].set(key_lengths))
     return model, hidden, kv
 
 
 @partial(jax.jit, static_argnames=("config", "fresh"), donate_argnames=("kv",))
-def prefill(params, config: ModelConfig, tokens, lengths, slots, kv: KVCache, fresh=True):
+def prefill(
+    params, config: ModelConfig, tokens, lengths, slots, kv: KVCache, fresh=True, lora=None
+):
     """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
 
     ``fresh`` starts new sequences in those rows; otherwise the tokens are appended to what
     the rows hold (chunked prefill).
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
-    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv, fresh)
+    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv, fresh, lora)
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
     return logits, kv
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def decode(params, config: ModelConfig, tokens, active, kv: KVCache):
+def decode(params, config: ModelConfig, tokens, active, kv: KVCache, lora=None):
     """One token per cache row; rows where ``active`` is False keep their length."""
+    num_new = active.astype(jnp.int32)
     model, hidden, kv = _run(
-        params, config, tokens[:, None], kv.lengths, active.astype(jnp.int32), None, kv
+        params, config, tokens[:, None], kv.lengths, num_new, None, kv, lora=lora
     )
     logits = model.apply({"params": params}, hidden[:, 0], method=DecoderLM.logits)
     return logits, kv
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def verify(params, config: ModelConfig, tokens, lengths, kv: KVCache):
+def verify(params, config: ModelConfig, tokens, lengths, kv: KVCache, lora=None):
     """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
-    model, hidden, kv = _run(params, config, tokens, kv.lengths, lengths, None, kv)
+    model, hidden, kv = _run(params, config, tokens, kv.lengths, lengths, None, kv, lora=lora)
     logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
     return logits, kv
 
@@ -303,6 +335,7 @@ class Runner:
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
+        self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
@@ -315,6 +348,7 @@ class Runner:
         prompts: Sequence[Sequence[int]],
         requests: Sequence[Any] = (),
         continuing: bool = False,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``."""
         del requests  # nothing per request changes a decoder prefill
@@ -332,25 +366,43 @@ class Runner:
             jnp.asarray(slots, jnp.int32),
             state,
             fresh=not continuing,
+            lora=self._lora(adapters),
         )
 
     def decode(
-        self, state: KVCache, tokens: jax.Array, active: jax.Array
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        active: jax.Array,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        return decode(self.params, self.config, tokens, active, state)
+        lora = self._lora(adapters)
+        return decode(self.params, self.config, tokens, active, state, lora)
 
     def verify(
-        self, state: KVCache, tokens: jax.Array, lengths: jax.Array
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        return verify(self.params, self.config, tokens, lengths, state)
+        lora = self._lora(adapters)
+        return verify(self.params, self.config, tokens, lengths, state, lora)
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
+    def _lora(self, adapters: Sequence[int] | None) -> Any:
+        """The step's adapter input: None when no adapter is loaded or none was asked for."""
+        if self.lora_pool is None or adapters is None:
+            return None
+        return self.lora_pool.batch(np.asarray(adapters, np.int32))
+
+    def logits(self, ids: Sequence[int], adapter: int | None = None) -> np.ndarray:
         """float32 [T, V]: the logits of every position of one sequence."""
         ids = list(ids)
         state = self.init_state(1, bucket(len(ids)))
         tokens = np.zeros((1, bucket(len(ids))), np.int32)
         tokens[0, : len(ids)] = ids
+        lora = self._lora(None if adapter is None else [adapter])
         out, _ = verify(
-            self.params, self.config, jnp.asarray(tokens), jnp.asarray([len(ids)]), state
+            self.params, self.config, jnp.asarray(tokens), jnp.asarray([len(ids)]), state, lora
         )
         return np.asarray(out[0, : len(ids)], np.float32)
