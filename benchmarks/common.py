@@ -1,0 +1,159 @@
+"""Shared helpers of the GPU benchmarks: timing with device sync, floors, peers and output.
+
+Every benchmark measures its two ceilings in the same run (``copy_bandwidth`` and
+``matmul_rate``), times device work only after a sync (``median_seconds``, ``chain_seconds``)
+or with CUDA events for torch peers (``torch_median_seconds``), and ends with one JSON line
+(``emit``) and a short table (``print_table``). Nothing here imports torch at module level:
+the torch peers run in their own process so JAX and torch never share the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+HBM_BYTES_PER_S = 4.3e12  # DESIGN.md: torch device copy on the H200, bytes read + written
+State = TypeVar("State")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing (JAX).
+
+
+def median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of ``fn()`` with the device synced after every call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def chain_seconds(
+    step: Callable[[State], State], state: State, steps: int, repeats: int = 3, warmup: int = 2
+) -> tuple[float, list[float], State]:
+    """Seconds per step of ``state = step(state)`` dispatched back to back, one sync per repeat.
+
+    Returns the median over repeats of (repeat time / steps), every repeat's figure and the
+    final state (the steps may donate their input, so the caller must use the returned one).
+    """
+    for _ in range(warmup):
+        state = step(state)
+    jax.block_until_ready(state)
+    per_step = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state = step(state)
+        jax.block_until_ready(state)
+        per_step.append((time.perf_counter() - start) / steps)
+    return statistics.median(per_step), per_step, state
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(result, seconds) of one call, synced: for compile and first-call times."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings measured in the run, and floors.
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s of an elementwise pass (bytes read + written)."""
+    x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
+    touch = jax.jit(lambda a: a * 1.0001)
+    seconds = median_seconds(lambda: touch(x), iters=iters)
+    return 2 * nbytes / seconds
+
+
+def matmul_rate(n: int = 8192, iters: int = 10) -> float:
+    """bf16 matrix product rate in FLOP/s on random [n, n] operands (fp32 accumulation)."""
+    ka, kb = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    product = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    seconds = median_seconds(lambda: product(a, b), iters=iters)
+    return 2 * n**3 / seconds
+
+
+def floor_seconds(nbytes: float, bytes_per_s: float = HBM_BYTES_PER_S) -> float:
+    """The time to move ``nbytes`` once at the given bandwidth."""
+    return nbytes / bytes_per_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing (torch peers; imported lazily, run in a process of their own).
+
+
+def torch_median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
+    """Median time of ``fn()`` measured with CUDA events (host clock + sync on a CPU torch)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def out_dir() -> Path | None:
+    """$OUT (the device run's result folder) when set."""
+    out = os.environ.get("OUT")
+    return Path(out) if out else None
+
+
+def emit(results: dict[str, Any], name: str) -> None:
+    """Prints ``results`` as one JSON line and writes it to $OUT/<name>.json when $OUT is set."""
+    line = json.dumps(results, sort_keys=True, default=str)
+    print(line, flush=True)
+    out = out_dir()
+    if out is not None:
+        (out / f"{name}.json").write_text(line + "\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain fixed-width table; floats with 3 significant digits."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+        return "-" if value is None else str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
