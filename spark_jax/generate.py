@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,14 @@ def _result_json(result: Any, load_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     import spark_jax as sj
 
-    params = _sampling_params(args)  # invalid flags fail here, before any loading
+    try:
+        params = _sampling_params(args)  # invalid flags fail here, before any loading
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))  # exits with status 2 and the usage line
     t0 = time.perf_counter()
     model = sj.load(args.model or default_model_dir(), dtype=args.dtype)
     load_s = time.perf_counter() - t0
@@ -170,6 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("\n")
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """Importing ``spark_jax.generate`` sets the package attribute ``generate`` to this module,
+    hiding the function ``sj.generate``; calling the module therefore calls the function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from spark_jax.engine import generate
+
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     raise SystemExit(main())
