@@ -89,7 +89,10 @@ def main() -> None:
     base_logits, kv = decoder.decode(params, config, tokens, active, kv, base_rows)
     kv = kv.with_lengths(kv.lengths - 1)
     lora_logits, kv = decoder.decode(params, config, tokens, active, kv, lora)
-    base_equal = bool(jnp.array_equal(plain_logits, base_logits))
+    # Bitwise on the CPU (fp32, see tests/test_lora.py); in bf16 on the GPU XLA fuses the
+    # adapted step differently, so base rows agree to bf16 rounding.
+    base_rel = float(jnp.linalg.norm(base_logits - plain_logits) / jnp.linalg.norm(plain_logits))
+    base_equal = base_rel < 2e-2
     lora_changes = float(jnp.abs(lora_logits - plain_logits).max())
 
     kv = kv.with_lengths(jnp.full((batch,), context - 64, jnp.int32))
@@ -118,6 +121,7 @@ def main() -> None:
         "floor_ms_adapters": floor_seconds(weights + kv_bytes + pool_bytes, bandwidth) * 1e3,
         "copy_bytes_per_s": bandwidth,
         "base_rows_equal_plain": base_equal,
+        "base_rows_rel_err": base_rel,
         "adapter_max_logit_change": lora_changes,
         "total_s": time.perf_counter() - t0,
     }

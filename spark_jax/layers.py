@@ -70,11 +70,15 @@ class LayerNorm(nn.Module):
         return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: Sequence[float]) -> jax.Array:
-    """Rotates x [B, T, heads, H] by its positions [B, T] (HF's half-split layout), in fp32."""
+def rotary_angles(positions: jax.Array, inv_freq: Sequence[float]) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 1, H/2] of positions [B, T]: computed once a step for all layers."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(freqs)[:, :, None, :]
-    sin = jnp.sin(freqs)[:, :, None, :]
+    return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+
+
+def apply_rotary(x: jax.Array, angles: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates x [B, T, heads, H] by ``rotary_angles`` (HF's half-split layout), in fp32."""
+    cos, sin = angles
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]

@@ -26,7 +26,7 @@ import numpy as np
 from spark_jax.attention import AttentionMask, attention
 from spark_jax.config import ModelConfig
 from spark_jax.kv_cache import KVCache, read_rows, write_kv
-from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary
+from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.lora import LoraTarget, scope
 from spark_jax.models.weights import WeightSpec
 
@@ -141,7 +141,7 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh, lora):
+    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         b, t, _ = x.shape
         qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(
@@ -154,9 +154,8 @@ class SelfAttention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = c.rope.inverse_frequencies(c.head_dim)
-        q = apply_rotary(q, positions, inv_freq)
-        k = apply_rotary(k, positions, inv_freq)
+        q = apply_rotary(q, angles)
+        k = apply_rotary(k, angles)
         k_cache = write_kv(k_cache, k, slots, positions)
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
@@ -177,11 +176,11 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, positions, mask, k_cache, v_cache, slots, fresh, lora):
+    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
         h, k_cache, v_cache = SelfAttention(c, self.layer_idx, self.dtype, name="attn")(
-            h, positions, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn")
+            h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn")
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
@@ -208,11 +207,22 @@ class DecoderLM(nn.Module):
             self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
 
     def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None):
+        angles = rotary_angles(
+            positions, self.config.rope.inverse_frequencies(self.config.head_dim)
+        )
         x = self.embed_tokens(tokens)
         ks, vs = [], []
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v, strict=True)):
             x, k_cache, v_cache = layer(
-                x, positions, mask, k_cache, v_cache, slots, fresh, scope(lora, f"layers_{i}")
+                x,
+                positions,
+                angles,
+                mask,
+                k_cache,
+                v_cache,
+                slots,
+                fresh,
+                scope(lora, f"layers_{i}"),
             )
             ks.append(k_cache)
             vs.append(v_cache)
