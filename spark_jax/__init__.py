@@ -18,14 +18,17 @@ from spark_jax.engine import (
 )
 from spark_jax.model import Model, load
 from spark_jax.sampling import SamplingParams
+from spark_jax.scheduler import Engine, RequestOutput
 
 __all__ = [
     "BeamRequest",
     "BeamResult",
+    "Engine",
     "generate_beam",
     "GenerationResult",
     "Model",
     "ModelConfig",
+    "RequestOutput",
     "NllbConfig",
     "SamplingParams",
     "StreamOutput",

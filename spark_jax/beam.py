@@ -6,7 +6,9 @@ requests as ONE batched forward, whatever their beam counts, source lengths and 
 languages; the device returns the top ``2 * max_beams`` log-probs of each row and the host
 picks candidates per request from those few numbers. Beams are reordered by a gather of cache
 rows on the device. A finished request leaves the batch and its rows go to the next waiting
-request (admitted with a prefill while the others keep decoding).
+request (admitted with a prefill while the others keep decoding). A request's LoRA adapter
+(``BeamRequest.adapter``) is recorded for each of its rows, so requests with different
+adapters share every step; a reused row takes the adapter of its new request.
 
 The per-request host logic replays ``GenerationMixin._beam_search`` of transformers 5
 (``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
@@ -101,6 +103,7 @@ class _Search:
     request: BeamRequest
     rows: list[int]  # cache row of beam b
     eos: frozenset[int]
+    adapter: int = -1  # LoRA pool slot of every beam of this request (-1: the base model)
     cur_len: int = 2  # HF's decoder length: [decoder_start, forced_bos]
     running: list[list[int]] = field(default_factory=lambda: [[]])  # beam 0 alone at first
     running_scores: np.ndarray = field(default_factory=lambda: np.zeros(1, np.float32))
@@ -193,20 +196,29 @@ def _as_runner(model_or_runner: Any) -> Any:
     return runner
 
 
-def _check(runner: Any, requests: Sequence[BeamRequest]) -> None:
+def _adapter_slot(runner: Any, name: str | None) -> int:
+    """The LoRA pool slot of an adapter name (-1 = base); unknown names are refused."""
+    if name is None:
+        return -1
+    pool = getattr(runner, "lora_pool", None)
+    if pool is None:
+        raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
+    return pool.index(name)
+
+
+def _check(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
+    """Validates every request; returns each one's adapter slot."""
+    adapters = []
     for i, request in enumerate(requests):
         try:
             if not isinstance(request, BeamRequest):
                 raise ValueError(f"expected a BeamRequest, got {type(request).__name__}")
-            if request.adapter is not None:
-                raise ValueError(
-                    f"adapter {request.adapter!r}: LoRA adapters are not supported by beam "
-                    "search yet; leave adapter=None for the base model."
-                )
+            adapters.append(_adapter_slot(runner, request.adapter))
             runner.check_source(request.prompt_tokens, request)
             runner.target_language_id(request)
         except ValueError as error:
             raise ValueError(f"request {i}: {error}") from error
+    return adapters
 
 
 def generate_beam(
@@ -221,7 +233,9 @@ def generate_beam(
     requests = list(requests)
     if not requests:
         return []
-    _check(runner, requests)
+    adapter_of = _check(runner, requests)
+    # Adapters go to the runner only when a pool exists, so plain models keep one compile.
+    use_lora = getattr(runner, "lora_pool", None) is not None
     eos = frozenset(runner.eos_token_ids)
     widest = max(r.num_beams for r in requests)
     width = 2 * widest
@@ -236,6 +250,7 @@ def generate_beam(
     top: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # request index -> (values, ids)
     active_searches: list[_Search] = []
     tokens = np.zeros(rows, np.int32)
+    row_adapters = np.full(rows, -1, np.int32)  # each cache row's adapter, set at admission
 
     def admit() -> None:
         nonlocal state
@@ -243,12 +258,14 @@ def generate_beam(
         while pending and pending[0][1].num_beams <= len(free):
             index, request = pending.popleft()
             taken = [free.pop() for _ in range(request.num_beams)]
-            admitted.append(_Search(index, request, taken, eos))
+            row_adapters[taken] = adapter_of[index]
+            admitted.append(_Search(index, request, taken, eos, adapter_of[index]))
         if not admitted:
             return
         slots = [s.rows[0] for s in admitted]
         prompts = [s.request.prompt_tokens for s in admitted]
-        logits, state = runner.prefill(state, slots, prompts, [s.request for s in admitted])
+        lora = {"adapters": [s.adapter for s in admitted]} if use_lora else {}
+        logits, state = runner.prefill(state, slots, prompts, [s.request for s in admitted], **lora)
         values, ids = jax.device_get(_top_log_probs(logits, width))
         for i, search in enumerate(admitted):
             top[search.index] = (values[i : i + 1], ids[i : i + 1])
@@ -279,7 +296,8 @@ def generate_beam(
         state = runner.reorder_rows(state, jnp.asarray(source_rows), first_steps)
         admit()
         if active.any():
-            logits, state = runner.decode(state, jnp.asarray(tokens), jnp.asarray(active))
+            lora = {"adapters": row_adapters.copy()} if use_lora else {}
+            logits, state = runner.decode(state, jnp.asarray(tokens), jnp.asarray(active), **lora)
             values, ids = jax.device_get(_top_log_probs(logits, width))
             for search in active_searches:
                 if search.index not in top:

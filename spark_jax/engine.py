@@ -9,6 +9,7 @@ device's work, and it copies only token ids (and logprobs when asked) to the hos
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from spark_jax.sampling import SampleOutput, SamplerBatch, SamplingParams, count
 from spark_jax.tokenizer import IncrementalDetokenizer
 
 MIN_CACHE_LEN = 256
+STEPS_PER_SYNC = 8  # decode steps per device call when nobody streams token by token
+MAX_TOP = 20  # top logprobs a step returns at most (SamplingParams.logprobs <= 20)
 
 
 @dataclass
@@ -74,11 +77,6 @@ def _pick(logits, batch: SamplerBatch, token_counts, prompt_mask, num_generated,
     out = sample(logits, batch, token_counts, prompt_mask, num_generated)
     token_counts = count_tokens(token_counts, out.tokens, active)
     return out, token_counts, num_generated + active.astype(jnp.int32)
-
-
-@jax.jit
-def _pick_greedy(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
@@ -177,12 +175,10 @@ class _Request:
         )
 
 
-def _token_logprobs(out: dict[str, np.ndarray], row: int, n: int) -> TokenLogprobs:
-    top = {
-        int(i): float(v)
-        for i, v in zip(out["top_ids"][row, :n], out["top_logprobs"][row, :n], strict=True)
-    }
-    return TokenLogprobs(int(out["tokens"][row]), float(out["logprobs"][row]), top)
+def _token_logprobs(out: Any, row: int, step: int, n: int) -> TokenLogprobs:
+    ids, values = out.top_ids[row, step, :n], out.top_logprobs[row, step, :n]
+    top = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
+    return TokenLogprobs(int(out.tokens[row, step]), float(out.logprobs[row, step]), top)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,10 +214,13 @@ def stream_batch(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     results: list[GenerationResult] | None = None,
+    steps_per_sync: int = 1,
 ) -> Iterator[StreamOutput]:
     """Generates for every prompt as one batch, yielding each token as it is produced.
 
     When ``results`` is given, it is filled with one GenerationResult per prompt at the end.
+    ``steps_per_sync`` decode steps run per device call (tokens reach the host in chunks of
+    that many); outputs do not depend on it.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     plist = _as_list(params, len(prompts))
@@ -230,87 +229,178 @@ def stream_batch(
     adapters = [model.adapter_slot(p.adapter) for p in plist]  # unknown names fail here
     slots = model.slot_pool.acquire(len(prompts))
     try:
-        yield from _run_loop(model, runner, prompts, plist, adapters, results)
+        yield from _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync)
     finally:
         model.slot_pool.release(slots)
 
 
-def _run_loop(model, runner, prompts, plist, adapters, results):
+def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
     t0 = time.perf_counter()
     n = len(prompts)
     rows = [_Request(i, p, sp, model) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
     max_len = cache_len(max(len(p) + sp.max_tokens for p, sp in zip(prompts, plist, strict=True)))
     state = runner.init_state(n, max_len, max(len(p) for p in prompts))
     # Adapters go to the runner only when a pool exists, so plain models keep one compile.
-    lora = {} if model.lora_pool is None else {"adapters": adapters}
-    logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora)
+    lora_kw = {} if model.lora_pool is None else {"adapters": adapters}
+    logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora_kw)
+    lora = runner.lora_input(adapters) if lora_kw else None
     vocab = logits.shape[-1]
 
-    fast = all(_plain_greedy(p) for p in plist)
+    greedy = all(_plain_greedy(p) for p in plist)
     want_logprobs = any(p.logprobs is not None for p in plist)
-    if fast:
-        pick = _pick_greedy
-        out: Any = pick(logits)
-    else:
-        batch = SamplerBatch.from_params(plist, vocab, model.eos_token_ids)
-        counts = jnp.zeros((n, vocab), jnp.int32)
-        prompt_mask = np.zeros((n, vocab), bool)
-        for i, p in enumerate(prompts):
-            prompt_mask[i, p] = True
-        prompt_mask = jnp.asarray(prompt_mask)
-        num_generated = jnp.zeros((n,), jnp.int32)
-        active_dev = jnp.ones((n,), bool)
-        out, counts, num_generated = _pick(
-            logits, batch, counts, prompt_mask, num_generated, active_dev
-        )
-
-    active = np.ones(n, bool)
+    batch = SamplerBatch.from_params(plist, vocab, model.eos_token_ids)
+    counts = jnp.zeros((n, vocab), jnp.int32)
+    prompt_mask = np.zeros((n, vocab), bool)
+    for i, p in enumerate(prompts):
+        prompt_mask[i, p] = True
+    prompt_mask = jnp.asarray(prompt_mask)
+    max_tokens = jnp.asarray([p.max_tokens for p in plist], jnp.int32)
+    first, counts, num_generated = _pick(
+        logits, batch, counts, prompt_mask, jnp.zeros((n,), jnp.int32), jnp.ones((n,), bool)
+    )
+    carry = _Carry(state, first.tokens, jnp.ones((n,), bool), counts, num_generated)
+    chunk = _Chunk(
+        first.tokens[:, None],
+        first.logprobs[:, None],
+        first.top_logprobs[:, None],
+        first.top_ids[:, None],
+        jnp.ones((n, 1), bool),
+    )
+    host_done = np.zeros(n, bool)
     timings: dict[str, float] = {}
-    steps = 0
+    syncs = 0
     while True:
-        tokens_dev = out if fast else out.tokens
-        # Dispatch the next step before reading this one: the device runs while we check stops.
-        if active.any():
-            active_dev = jnp.asarray(active)
-            logits, state = runner.decode(state, tokens_dev, active_dev, **lora)
-            if fast:
-                next_out = _pick_greedy(logits)
-            else:
-                next_out, counts, num_generated = _pick(
-                    logits, batch, counts, prompt_mask, num_generated, active_dev
-                )
-        host = _to_host(out, fast, want_logprobs)
-        if steps == 0:
+        # Dispatch the next chunk of steps before reading this one: the device decodes while
+        # the host detokenizes and checks stops.
+        if not host_done.all():
+            carry = dataclasses.replace(carry, active=carry.active & jnp.asarray(~host_done))
+            carry, next_chunk = _decode_chunk(
+                runner.decode_fn,
+                runner.params,
+                lora,
+                carry,
+                batch,
+                prompt_mask,
+                max_tokens,
+                num_steps=steps_per_sync,
+                greedy=greedy,
+                want_logprobs=want_logprobs,
+            )
+        host = jax.device_get(chunk)
+        if syncs == 0:
             timings["ttft_s"] = time.perf_counter() - t0
-        steps += 1
-        for row in rows:
-            if not active[row.index]:
-                continue
-            lp = None
-            if row.params.logprobs is not None:
-                lp = _token_logprobs(host, row.index, row.params.logprobs)
-            token = int(host["tokens"][row.index])
-            delta = row.add(token, lp)
-            yield StreamOutput(row.index, token, delta, lp)
-            if row.finish_reason is not None:
-                active[row.index] = False
-        if not active.any():
+        syncs += 1
+        for step in range(host.valid.shape[1]):
+            for row in rows:
+                if host_done[row.index] or not host.valid[row.index, step]:
+                    continue
+                lp = None
+                if row.params.logprobs is not None:
+                    lp = _token_logprobs(host, row.index, step, row.params.logprobs)
+                token = int(host.tokens[row.index, step])
+                delta = row.add(token, lp)
+                yield StreamOutput(row.index, token, delta, lp)
+                if row.finish_reason is not None:
+                    host_done[row.index] = True
+        if host_done.all():
             break
-        out = next_out
+        chunk = next_chunk
     timings["total_s"] = time.perf_counter() - t0
-    timings["decode_steps"] = steps
+    timings["host_syncs"] = syncs
     if results is not None:
         results.extend(r.result(timings) for r in rows)
 
 
-def _to_host(out: Any, fast: bool, want_logprobs: bool) -> dict[str, np.ndarray]:
-    if fast:
-        return {"tokens": np.asarray(out)}
-    if not want_logprobs:
-        return {"tokens": np.asarray(out.tokens)}
-    host = jax.device_get(out)
-    assert isinstance(out, SampleOutput)
-    return {name: np.asarray(getattr(host, name)) for name in SampleOutput._fields}
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+    """What one decode step hands the next, on the device."""
+
+    state: Any  # the runner's cache
+    tokens: jax.Array  # int32[B]: the last token of each row
+    active: jax.Array  # bool[B]: rows still generating
+    counts: jax.Array  # int32[B, V]: output token counts (penalties)
+    num_generated: jax.Array  # int32[B]: tokens generated so far (the sampler's step index)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """The tokens of a chunk of steps, for the host: [B, steps] (top-n: [B, steps, 20])."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+    valid: jax.Array  # bool: the row was generating at that step
+
+
+@partial(
+    jax.jit,
+    static_argnames=("decode_fn", "num_steps", "greedy", "want_logprobs"),
+    donate_argnames=("carry",),
+)
+def _decode_chunk(
+    decode_fn,
+    params,
+    lora,
+    carry: _Carry,
+    batch: SamplerBatch,
+    prompt_mask,
+    max_tokens,
+    num_steps: int,
+    greedy: bool,
+    want_logprobs: bool,
+):
+    """Up to ``num_steps`` decode steps in one device call (a while loop that stops early when
+    every row is done): decode, pick, and the stop-token / max-token checks, all on device.
+
+    The host stays the judge of stops (stop strings are host-only); the device check only
+    retires rows early, and is a subset of the host's, so outputs are the same for any
+    ``num_steps``.
+    """
+    b = carry.tokens.shape[0]
+    top_n = MAX_TOP if want_logprobs else 1
+    empty = _Chunk(
+        jnp.zeros((b, num_steps), jnp.int32),
+        jnp.zeros((b, num_steps), jnp.float32),
+        jnp.zeros((b, num_steps, top_n), jnp.float32),
+        jnp.zeros((b, num_steps, top_n), jnp.int32),
+        jnp.zeros((b, num_steps), bool),
+    )
+
+    def cond(loop):
+        i, c, _ = loop
+        return (i < num_steps) & jnp.any(c.active)
+
+    def body(loop):
+        i, c, out = loop
+        logits, state = decode_fn(params, c.tokens, c.active, c.state, lora)
+        if greedy:
+            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            picked = SampleOutput(
+                tokens, out.logprobs[:, 0], out.top_logprobs[:, 0], out.top_ids[:, 0]
+            )
+            counts = c.counts
+        else:
+            picked = sample(logits, batch, c.counts, prompt_mask, c.num_generated)
+            counts = count_tokens(c.counts, picked.tokens, c.active)
+        tokens = jnp.where(c.active, picked.tokens, c.tokens)
+        num_generated = c.num_generated + c.active.astype(jnp.int32)
+        is_stop = jnp.any(tokens[:, None] == batch.stop_ids, axis=-1)
+        done = (is_stop & (num_generated >= batch.min_tokens)) | (num_generated >= max_tokens)
+        out = _Chunk(
+            out.tokens.at[:, i].set(tokens),
+            out.logprobs.at[:, i].set(picked.logprobs),
+            out.top_logprobs.at[:, i].set(picked.top_logprobs[:, :top_n]),
+            out.top_ids.at[:, i].set(picked.top_ids[:, :top_n]),
+            out.valid.at[:, i].set(c.active),
+        )
+        c = _Carry(state, tokens, c.active & ~done, counts, num_generated)
+        return i + 1, c, out
+
+    _, carry, out = jax.lax.while_loop(cond, body, (0, carry, empty))
+    return carry, out
 
 
 def generate_batch(
@@ -322,7 +412,9 @@ def generate_batch(
     """Generates for every prompt as one batch (one decode step for all rows)."""
     results: list[GenerationResult] = []
     params = SamplingParams(temperature=0.0) if params is None else params
-    for event in stream_batch(model, prompts, params, results):
+    # Without a per-token consumer, several steps per device call save host round trips.
+    steps = 1 if on_token is not None else STEPS_PER_SYNC
+    for event in stream_batch(model, prompts, params, results, steps):
         if on_token is not None:
             on_token(event)
     return results

@@ -64,6 +64,10 @@ class KVCache:
         """Frees rows: their lengths drop to zero (the stale keys are never read)."""
         return self.with_lengths(self.lengths.at[rows].set(0))
 
+    def with_layers(self, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]) -> KVCache:
+        """The same cache with new per-layer buffers (what a step wrote)."""
+        return dataclasses.replace(self, k=k, v=v)
+
 
 def write_kv(
     cache_layer: jax.Array, new: jax.Array, slots: jax.Array | None, positions: jax.Array
@@ -71,7 +75,10 @@ def write_kv(
     """Writes ``new[B, T, K, H]`` at ``positions[B, T]`` of rows ``slots[B]`` (all rows if None).
 
     Positions past the buffer are dropped: they belong to padding tokens of a bucketed batch.
+    A ``PagedLayer`` writes through its block table instead.
     """
+    if isinstance(cache_layer, PagedLayer):
+        return cache_layer.write(new, slots, positions)
     if slots is None:
         rows = jnp.arange(cache_layer.shape[0])[:, None]
     else:
@@ -81,7 +88,145 @@ def write_kv(
 
 def read_rows(cache_layer: jax.Array, slots: jax.Array | None) -> jax.Array:
     """The rows of the given slots, ``[B, S, K, H]``; no copy when every row is used in order."""
+    if isinstance(cache_layer, PagedLayer):
+        return cache_layer.read(slots)
     return cache_layer if slots is None else cache_layer[slots]
+
+
+# ---------------------------------------------------------------------------------------------
+# The paged variant: the batching engine's cache. Keys live in a shared pool of fixed-size
+# pages; each row's block table lists its pages in order. Rows then cost memory in proportion
+# to their length, not to the longest sequence the cache could hold.
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's page pool seen through the block table; stands in for a dense buffer.
+
+    Block-table entries of pages a row does not own hold ``num_pages`` (out of range), so
+    writes there are dropped: the garbage keys of inactive rows and padding tokens land
+    nowhere, never in a page another sequence owns.
+    """
+
+    pages: jax.Array  # [P, page_size, K, H]
+    block_table: jax.Array  # int32[slots, max_pages]
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.shape[1]
+
+    def _rows(self, slots: jax.Array | None) -> jax.Array:
+        """int32[B, max_pages]: the pages of each row; slots out of range own no page."""
+        if slots is None:
+            return self.block_table
+        return jnp.take(
+            self.block_table, slots, axis=0, mode="fill", fill_value=self.pages.shape[0]
+        )
+
+    def write(self, new: jax.Array, slots: jax.Array | None, positions: jax.Array) -> PagedLayer:
+        """Writes ``new[B, T, K, H]`` at ``positions[B, T]`` of rows ``slots[B]``."""
+        table = self._rows(slots)
+        index = positions // self.page_size
+        page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
+        page = jnp.where(index < table.shape[1], page, self.pages.shape[0])
+        pages = self.pages.at[page, positions % self.page_size].set(
+            new.astype(self.pages.dtype), mode="drop"
+        )
+        return dataclasses.replace(self, pages=pages)
+
+    def read(self, slots: jax.Array | None) -> jax.Array:
+        """Gathers each row's pages into ``[B, max_pages * page_size, K, H]`` (the fallback of
+        a paged kernel); pages a row does not own read as some other page, masked by length."""
+        table = self._rows(slots)
+        b, n = table.shape
+        rows = jnp.take(self.pages, table.reshape(-1), axis=0, mode="clip")
+        return rows.reshape(b, n * self.page_size, *self.pages.shape[2:])
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedKVCache:
+    """Self-attention keys and values of ``num_slots`` sequences in a shared page pool.
+
+    ``k`` and ``v`` give per-layer ``PagedLayer`` views, so a model written against dense
+    buffers (``write_kv``/``read_rows``) runs on it unchanged. The block table's width sets
+    the longest row a step can see: the engine passes a narrower table when every row is
+    short, so attention gathers only the pages in use.
+    """
+
+    k_pages: tuple[jax.Array, ...]  # per layer [P, page_size, K, H]
+    v_pages: tuple[jax.Array, ...]  # per layer [P, page_size, K, H]
+    block_table: jax.Array  # int32[slots, max_pages]; num_pages where no page is owned
+    lengths: jax.Array  # int32[slots]: valid keys per row
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        max_pages_per_seq: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype,
+    ) -> PagedKVCache:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            block_table=jnp.full((num_slots, max_pages_per_seq), num_pages, jnp.int32),
+            lengths=jnp.zeros((num_slots,), jnp.int32),
+        )
+
+    @property
+    def k(self) -> tuple[PagedLayer, ...]:
+        return tuple(PagedLayer(p, self.block_table) for p in self.k_pages)
+
+    @property
+    def v(self) -> tuple[PagedLayer, ...]:
+        return tuple(PagedLayer(p, self.block_table) for p in self.v_pages)
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.k_pages + self.v_pages)
+
+    def is_full(self) -> jax.Array:
+        """bool[slots]: rows that have no room for another token."""
+        return self.lengths >= self.max_len
+
+    def with_lengths(self, lengths: jax.Array) -> PagedKVCache:
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+    def with_block_table(self, block_table: jax.Array) -> PagedKVCache:
+        return dataclasses.replace(self, block_table=block_table.astype(jnp.int32))
+
+    def with_layers(
+        self, k: tuple[PagedLayer | jax.Array, ...], v: tuple[PagedLayer | jax.Array, ...]
+    ) -> PagedKVCache:
+        """The same cache with the page pools a step wrote (views or bare pools)."""
+
+        def pool(x: PagedLayer | jax.Array) -> jax.Array:
+            return x.pages if isinstance(x, PagedLayer) else x
+
+        return dataclasses.replace(self, k_pages=tuple(map(pool, k)), v_pages=tuple(map(pool, v)))
 
 
 @jax.tree_util.register_dataclass

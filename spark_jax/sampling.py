@@ -222,12 +222,15 @@ class SamplerBatch:
         eos_ids: Sequence[int] = (),
         *,
         rng: np.random.Generator | None = None,
+        min_width: int = 0,
     ) -> SamplerBatch:
         """Builds the batch for `params` (None = empty slot, sampled greedily).
 
         eos_ids: the model's end-of-sequence ids, masked with stop_token_ids until min_tokens.
         rng: draws seeds for rows with seed=None; default is the OS entropy source, so two
             unseeded requests differ. Pass a seeded Generator for reproducible runs.
+        min_width: the least padded width of the logit-bias and stop-id tables; a batching
+            engine fixes it so that admitting a request never changes a shape.
         """
         rows = [_GREEDY_ROW if p is None else p for p in params]
         num_rows = len(rows)
@@ -244,12 +247,16 @@ class SamplerBatch:
             dtype=np.uint32,
         ).reshape(num_rows, 2)
 
-        bias_width = _width_bucket(max((len(p.logit_bias) for p in rows), default=0))
+        bias_width = max(
+            min_width, _width_bucket(max((len(p.logit_bias) for p in rows), default=0))
+        )
         bias_ids = np.full((num_rows, bias_width), vocab_size, np.int32)
         bias_values = np.zeros((num_rows, bias_width), np.float32)
         stop_lists = [sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)}) for p in rows]
         stop_ids = np.full(
-            (num_rows, _width_bucket(max(map(len, stop_lists), default=0))), vocab_size, np.int32
+            (num_rows, max(min_width, _width_bucket(max(map(len, stop_lists), default=0)))),
+            vocab_size,
+            np.int32,
         )
         for i, (p, stops) in enumerate(zip(rows, stop_lists, strict=True)):
             bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)

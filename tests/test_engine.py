@@ -8,6 +8,7 @@ import pytest
 from conftest import random_prompt
 
 import spark_jax as sj
+from spark_jax import engine
 from spark_jax.models import decoder
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -127,13 +128,16 @@ def test_prompts_of_twenty_lengths_compile_one_prefill_per_bucket_and_one_decode
 
     model = model_from_hf(hf)
     decoder.prefill.clear_cache()
-    decoder.decode.clear_cache()
+    engine._decode_chunk.clear_cache()
+    engine._pick.clear_cache()
     lengths = list(range(1, 61, 3))  # 20 lengths over the buckets 16, 32, 64
     for n in lengths:
         sj.generate(model, random_prompt(n, n), sj.SamplingParams(temperature=0.0, max_tokens=4))
     buckets = {decoder.bucket(n) for n in lengths}
     assert decoder.prefill._cache_size() == len(buckets) == 3
-    assert decoder.decode._cache_size() == 1
+    # The decode step runs inside the engine's device loop: one compile of the loop.
+    assert engine._decode_chunk._cache_size() == 1
+    assert engine._pick._cache_size() == 1
 
 
 def test_bad_prompts_are_refused_before_any_device_work(tiny_llama):

@@ -10,6 +10,7 @@ import torch
 from conftest import HF_BUILDERS, model_from_hf, random_prompt
 
 import spark_jax as sj
+from spark_jax import engine
 from spark_jax.models import decoder
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -83,10 +84,10 @@ def test_changing_the_adapter_mix_never_recompiles(lora_setup):
         sj.generate_batch(model, prompts, params)
 
     run(["all_r4", None, "mlp_r2"])
-    before = (decoder.prefill._cache_size(), decoder.decode._cache_size())
+    before = (decoder.prefill._cache_size(), engine._decode_chunk._cache_size())
     run(["mlp_r2", "attn_r8_rslora", "all_r4"])
     run([None, None, "attn_r8_rslora"])
-    assert (decoder.prefill._cache_size(), decoder.decode._cache_size()) == before
+    assert (decoder.prefill._cache_size(), engine._decode_chunk._cache_size()) == before
 
 
 def test_merged_adapter_equals_the_unmerged_output(lora_setup):

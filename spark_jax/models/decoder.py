@@ -226,7 +226,7 @@ class DecoderLM(nn.Module):
             )
             ks.append(k_cache)
             vs.append(v_cache)
-        return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=kv.lengths)
+        return self.final_norm(x), kv.with_layers(tuple(ks), tuple(vs))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits of hidden states [..., D]."""
@@ -297,6 +297,11 @@ def decode(params, config: ModelConfig, tokens, active, kv: KVCache, lora=None):
     return logits, kv
 
 
+def _decode_rows(params, tokens, active, kv: KVCache, lora, *, config: ModelConfig):
+    """``decode`` with the config bound, in the argument order of ``Runner.decode_fn``."""
+    return decode(params, config, tokens, active, kv, lora)
+
+
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
 def verify(params, config: ModelConfig, tokens, lengths, kv: KVCache, lora=None):
     """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
@@ -346,6 +351,9 @@ class Runner:
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
         self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
+        # The pure decode step, for device loops of several steps (one object per runner,
+        # so a jit taking it as a static argument compiles once per model).
+        self.decode_fn = partial(_decode_rows, config=config)
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
@@ -359,13 +367,18 @@ class Runner:
         requests: Sequence[Any] = (),
         continuing: bool = False,
         adapters: Sequence[int] | None = None,
+        min_len: int = 0,
     ) -> tuple[jax.Array, KVCache]:
-        """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``."""
+        """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``.
+
+        ``min_len`` pads the batch to at least that many tokens: a caller with a coarser
+        ladder of chunk sizes than ``bucket`` keeps to its own (fewer) compiled shapes.
+        """
         del requests  # nothing per request changes a decoder prefill
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise ValueError("a prompt is empty; give at least one token.")
-        tokens = np.zeros((len(prompts), bucket(max(lengths))), np.int32)
+        tokens = np.zeros((len(prompts), bucket(max(*lengths, min_len))), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
         return prefill(
@@ -398,6 +411,10 @@ class Runner:
     ) -> tuple[jax.Array, KVCache]:
         lora = self._lora(adapters)
         return verify(self.params, self.config, tokens, lengths, state, lora)
+
+    def lora_input(self, adapters: Sequence[int]) -> Any:
+        """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``)."""
+        return self._lora(adapters)
 
     def _lora(self, adapters: Sequence[int] | None) -> Any:
         """The step's adapter input: None when no adapter is loaded or none was asked for."""

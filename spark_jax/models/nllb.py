@@ -17,6 +17,10 @@ cache rows ``slots``, then runs the decoder seed ``[decoder_start (= eos), targe
 the forced language token is never sampled. ``decode`` runs every row of the cache in order
 (R = num_slots), so reading the cache never copies it. Sources are right-padded with
 ``pad_token_id``; ``src_len`` masks the padding.
+
+Every step but ``reorder_rows`` takes an optional ``lora`` (``spark_jax.lora.LoraBatch``),
+one adapter slot per batch row: at prefill the encoder, the cross K/V projection and the seed
+run with the request's adapter, so the cached cross K/V already carry it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from spark_jax.attention import AttentionMask, attention
 from spark_jax.config import NllbConfig
 from spark_jax.kv_cache import EncoderDecoderCache, read_rows, write_kv
 from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
+from spark_jax.lora import LoraBatch, LoraTarget, scope
 from spark_jax.models.weights import WeightSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +127,41 @@ def params_from_hf(config: NllbConfig, tensors: Mapping[str, np.ndarray]) -> dic
     return params
 
 
+def lora_targets(config: NllbConfig) -> dict[str, LoraTarget]:
+    """PEFT module names → where their low-rank updates land in our (fused) layers.
+
+    Self-attention q/k/v share ``qkv_proj`` (3 parts), cross-attention k/v share ``kv_proj``
+    (2 parts, projected once per request at prefill with the request's adapter).
+    """
+    d = config.d_model
+    targets: dict[str, LoraTarget] = {}
+    for stack, num_layers, f in (
+        ("encoder", config.encoder_layers, config.encoder_ffn_dim),
+        ("decoder", config.decoder_layers, config.decoder_ffn_dim),
+    ):
+        for i in range(num_layers):
+            p, layer = f"model.{stack}.layers.{i}.", f"{stack}_layers_{i}"
+            qkv, out = (layer, "self_attn", "qkv_proj"), (layer, "self_attn", "out_proj")
+            targets |= {
+                p + "self_attn.q_proj": LoraTarget(qkv, 0, 3, d, 0, d, 3 * d),
+                p + "self_attn.k_proj": LoraTarget(qkv, 1, 3, d, d, d, 3 * d),
+                p + "self_attn.v_proj": LoraTarget(qkv, 2, 3, d, 2 * d, d, 3 * d),
+                p + "self_attn.out_proj": LoraTarget(out, 0, 1, d, 0, d, d),
+                p + "fc1": LoraTarget((layer, "mlp", "fc1"), 0, 1, d, 0, f, f),
+                p + "fc2": LoraTarget((layer, "mlp", "fc2"), 0, 1, f, 0, d, d),
+            }
+            if stack == "decoder":
+                q, kv = (layer, "cross_attn", "q_proj"), (layer, "cross_attn", "kv_proj")
+                out = (layer, "cross_attn", "out_proj")
+                targets |= {
+                    p + "encoder_attn.q_proj": LoraTarget(q, 0, 1, d, 0, d, d),
+                    p + "encoder_attn.k_proj": LoraTarget(kv, 0, 2, d, 0, d, 2 * d),
+                    p + "encoder_attn.v_proj": LoraTarget(kv, 1, 2, d, d, d, 2 * d),
+                    p + "encoder_attn.out_proj": LoraTarget(out, 0, 1, d, 0, d, d),
+                }
+    return targets
+
+
 # ---------------------------------------------------------------------------------------------
 # Positions: fairseq's, as HF computes them from the token ids.
 
@@ -163,8 +203,10 @@ class SelfAttention(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, mask, cache=None, slots=None, cache_positions=None):
-        qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(x)
+    def __call__(self, x, mask, cache=None, slots=None, cache_positions=None, lora=None):
+        qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
+            x, scope(lora, "qkv_proj")
+        )
         q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
         if cache is not None:
             k_cache, v_cache = cache
@@ -174,7 +216,8 @@ class SelfAttention(nn.Module):
             )
             k, v = read_rows(cache[0], slots), read_rows(cache[1], slots)
         out = _merge_heads(attention(q, k, v, mask))
-        return Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")(out), cache
+        out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
+        return out_proj(out, scope(lora, "out_proj")), cache
 
 
 class CrossAttention(nn.Module):
@@ -189,14 +232,17 @@ class CrossAttention(nn.Module):
         self.kv_proj = Linear(2 * self.d_model, use_bias=True, dtype=self.dtype)
         self.out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype)
 
-    def project_kv(self, encoder_hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """[B, S, D] → k, v [B, S, N, H]."""
-        k, v = jnp.split(self.kv_proj(encoder_hidden), 2, axis=-1)
+    def project_kv(
+        self, encoder_hidden: jax.Array, lora: LoraBatch | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """[B, S, D] → k, v [B, S, N, H] (with each row's adapter on k/v)."""
+        k, v = jnp.split(self.kv_proj(encoder_hidden, scope(lora, "kv_proj")), 2, axis=-1)
         return _heads(k, self.num_heads), _heads(v, self.num_heads)
 
-    def __call__(self, x, k, v, mask):
-        q = _heads(self.q_proj(x), self.num_heads)
-        return self.out_proj(_merge_heads(attention(q, k, v, mask)))
+    def __call__(self, x, k, v, mask, lora=None):
+        q = _heads(self.q_proj(x, scope(lora, "q_proj")), self.num_heads)
+        out = _merge_heads(attention(q, k, v, mask))
+        return self.out_proj(out, scope(lora, "out_proj"))
 
 
 class ReluMLP(nn.Module):
@@ -205,10 +251,12 @@ class ReluMLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
-        h = Linear(self.ffn_dim, use_bias=True, dtype=self.dtype, name="fc1")(x)
+    def __call__(self, x, lora=None):
+        h = Linear(self.ffn_dim, use_bias=True, dtype=self.dtype, name="fc1")(x, scope(lora, "fc1"))
         h = jax.nn.relu(h)
-        return Linear(self.d_model, use_bias=True, dtype=self.dtype, name="fc2")(h)
+        return Linear(self.d_model, use_bias=True, dtype=self.dtype, name="fc2")(
+            h, scope(lora, "fc2")
+        )
 
 
 class EncoderLayer(nn.Module):
@@ -216,13 +264,13 @@ class EncoderLayer(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask, lora=None):
         c = self.config
         norm = partial(LayerNorm, c.layer_norm_eps, self.dtype)
         attn = SelfAttention(c.d_model, c.encoder_attention_heads, self.dtype, name="self_attn")
-        x = x + attn(norm(name="self_attn_norm")(x), mask)[0]
+        x = x + attn(norm(name="self_attn_norm")(x), mask, lora=scope(lora, "self_attn"))[0]
         mlp = ReluMLP(c.d_model, c.encoder_ffn_dim, self.dtype, name="mlp")
-        return x + mlp(norm(name="ffn_norm")(x))
+        return x + mlp(norm(name="ffn_norm")(x), scope(lora, "mlp"))
 
 
 class DecoderLayer(nn.Module):
@@ -238,12 +286,15 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
         self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
 
-    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions):
+    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions, lora):
         """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read."""
-        h, kv = self.self_attn(self.self_attn_norm(x), self_mask, kv, slots, cache_positions)
+        h, kv = self.self_attn(
+            self.self_attn_norm(x), self_mask, kv, slots, cache_positions, scope(lora, "self_attn")
+        )
         x = x + h
-        x = x + self.cross_attn(self.cross_attn_norm(x), *cross_kv, cross_mask)
-        return x + self.mlp(self.ffn_norm(x)), kv
+        cross_lora = scope(lora, "cross_attn")
+        x = x + self.cross_attn(self.cross_attn_norm(x), *cross_kv, cross_mask, cross_lora)
+        return x + self.mlp(self.ffn_norm(x), scope(lora, "mlp")), kv
 
 
 class Nllb(nn.Module):
@@ -268,24 +319,29 @@ class Nllb(nn.Module):
         x = self.shared(tokens).astype(jnp.float32) * scale + table[positions]
         return x.astype(self.dtype)
 
-    def encode(self, src, src_len):
+    def encode(self, src, src_len, lora=None):
         """Source ids [B, S] (right-padded) → final encoder hidden states [B, S, D]."""
         positions = position_ids(src, self.config.pad_token_id, jnp.zeros_like(src_len))
         x = self.embed(src, positions, _position_table_size(self.config, src.shape[1]))
         mask = AttentionMask(jnp.zeros_like(src), src_len, causal=False)
-        for layer in self.encoder_layers:
-            x = layer(x, mask)
+        for i, layer in enumerate(self.encoder_layers):
+            x = layer(x, mask, scope(lora, f"encoder_layers_{i}"))
         return self.encoder_norm(x)
 
-    def cross_kv(self, encoder_hidden):
+    def cross_kv(self, encoder_hidden, lora=None):
         """Every decoder layer's cross-attention (k, v), each [B, S, N, H]."""
-        return tuple(layer.cross_attn.project_kv(encoder_hidden) for layer in self.decoder_layers)
+        kvs = []
+        for i, layer in enumerate(self.decoder_layers):
+            layer_lora = scope(lora, f"decoder_layers_{i}", "cross_attn")
+            kvs.append(layer.cross_attn.project_kv(encoder_hidden, layer_lora))
+        return tuple(kvs)
 
-    def decode(self, tokens, starts, num_new, cross_kv, source_lengths, cache, slots):
+    def decode(self, tokens, starts, num_new, cross_kv, source_lengths, cache, slots, lora=None):
         """Runs tokens[B, T] at cache positions starts[b] + t; returns hidden and new (k, v)s.
 
         ``cross_kv`` holds each layer's (k, v) rows for this batch; ``cache`` the self-attention
-        (k, v) buffers, written at rows ``slots`` (every row in order when None).
+        (k, v) buffers, written at rows ``slots`` (every row in order when None); ``lora`` the
+        adapter of each of the B rows.
         """
         c = self.config
         cache_positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -294,8 +350,12 @@ class Nllb(nn.Module):
         self_mask = AttentionMask(cache_positions, starts + num_new)
         cross_mask = AttentionMask(jnp.zeros_like(tokens), source_lengths, causal=False)
         new_cache = []
-        for layer, kv, layer_cross in zip(self.decoder_layers, cache, cross_kv, strict=True):
-            x, kv = layer(x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions)
+        layers = zip(self.decoder_layers, cache, cross_kv, strict=True)
+        for i, (layer, kv, layer_cross) in enumerate(layers):
+            layer_lora = scope(lora, f"decoder_layers_{i}")
+            x, kv = layer(
+                x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions, layer_lora
+            )
             new_cache.append(kv)
         return self.decoder_norm(x), tuple(new_cache)
 
@@ -352,21 +412,31 @@ def _with_self_kv(cache: EncoderDecoderCache, kvs, lengths) -> EncoderDecoderCac
 
 
 @partial(jax.jit, static_argnames=("config",))
-def encode(params, config: NllbConfig, src, src_len):
+def encode(params, config: NllbConfig, src, src_len, lora: LoraBatch | None = None):
     """Source ids [B, S] (right-padded with pad) → encoder hidden states [B, S, D]."""
     model = Nllb(config, _params_dtype(params))
-    return model.apply({"params": params}, src, src_len, method=Nllb.encode)
+    return model.apply({"params": params}, src, src_len, lora, method=Nllb.encode)
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def prefill(params, config: NllbConfig, src, src_len, seed, slots, cache: EncoderDecoderCache):
+def prefill(
+    params,
+    config: NllbConfig,
+    src,
+    src_len,
+    seed,
+    slots,
+    cache: EncoderDecoderCache,
+    lora: LoraBatch | None = None,
+):
     """Encodes src[B, S] into rows ``slots`` and runs the decoder seed[B, T0]; last logits [B,V].
 
-    Slots past the cache (padding of a bucketed batch) are dropped by every write.
+    Slots past the cache (padding of a bucketed batch) are dropped by every write. ``lora``
+    rows follow the B batch rows: the encoder, the cross K/V and the seed use each one's adapter.
     """
     model = Nllb(config, _params_dtype(params))
     apply = partial(model.apply, {"params": params})
-    cross = apply(apply(src, src_len, method=Nllb.encode), method=Nllb.cross_kv)
+    cross = apply(apply(src, src_len, lora, method=Nllb.encode), lora, method=Nllb.cross_kv)
     source_positions = jnp.broadcast_to(jnp.arange(src.shape[1]), src.shape)
     write = lambda buffers, new: tuple(
         write_kv(b, x, slots, source_positions) for b, x in zip(buffers, new, strict=True)
@@ -374,7 +444,7 @@ def prefill(params, config: NllbConfig, src, src_len, seed, slots, cache: Encode
     starts = jnp.zeros_like(src_len)
     num_new = jnp.full_like(src_len, seed.shape[1])
     hidden, kvs = apply(
-        seed, starts, num_new, cross, src_len, _self_kv(cache), slots, method=Nllb.decode
+        seed, starts, num_new, cross, src_len, _self_kv(cache), slots, lora, method=Nllb.decode
     )
     k, v = zip(*kvs, strict=True)
     cache = EncoderDecoderCache(
@@ -388,9 +458,24 @@ def prefill(params, config: NllbConfig, src, src_len, seed, slots, cache: Encode
     return apply(hidden[:, -1], method=Nllb.logits), cache
 
 
+def _decode_rows(params, tokens, active, cache, lora, *, config: NllbConfig):
+    """``decode`` with the config bound, in the argument order of ``NllbRunner.decode_fn``."""
+    return decode(params, config, tokens, active, cache, lora)
+
+
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def decode(params, config: NllbConfig, tokens, active, cache: EncoderDecoderCache):
-    """One token per cache row; rows where ``active`` is False keep their length."""
+def decode(
+    params,
+    config: NllbConfig,
+    tokens,
+    active,
+    cache: EncoderDecoderCache,
+    lora: LoraBatch | None = None,
+):
+    """One token per cache row; rows where ``active`` is False keep their length.
+
+    ``lora`` rows follow the cache rows (the cross K/V already hold each row's adapter).
+    """
     model = Nllb(config, _params_dtype(params))
     apply = partial(model.apply, {"params": params})
     num_new = active.astype(jnp.int32)
@@ -403,6 +488,7 @@ def decode(params, config: NllbConfig, tokens, active, cache: EncoderDecoderCach
         cache.source_lengths,
         _self_kv(cache),
         None,
+        lora,
         method=Nllb.decode,
     )
     cache = _with_self_kv(cache, kvs, cache.lengths + num_new)
@@ -410,11 +496,13 @@ def decode(params, config: NllbConfig, tokens, active, cache: EncoderDecoderCach
 
 
 @partial(jax.jit, static_argnames=("config",))
-def forward(params, config: NllbConfig, src, src_len, decoder_tokens):
+def forward(
+    params, config: NllbConfig, src, src_len, decoder_tokens, lora: LoraBatch | None = None
+):
     """Teacher-forced logits [B, T, V] of decoder_tokens[B, T] (HF's full forward)."""
     model = Nllb(config, _params_dtype(params))
     apply = partial(model.apply, {"params": params})
-    cross = apply(apply(src, src_len, method=Nllb.encode), method=Nllb.cross_kv)
+    cross = apply(apply(src, src_len, lora, method=Nllb.encode), lora, method=Nllb.cross_kv)
     b, t = decoder_tokens.shape
     scratch = init_cache(config, b, t, 1, _params_dtype(params))
     zeros = jnp.zeros_like(src_len)
@@ -426,6 +514,7 @@ def forward(params, config: NllbConfig, src, src_len, decoder_tokens):
         src_len,
         _self_kv(scratch),
         None,
+        lora,
         method=Nllb.decode,
     )
     return apply(hidden, method=Nllb.logits)
@@ -489,6 +578,9 @@ class NllbRunner:
         self.default_tgt_lang = default_tgt_lang
         self.dtype = _params_dtype(params)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
+        self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
+        # The pure decode step, for the engine's device loops (see decoder.Runner.decode_fn).
+        self.decode_fn = partial(_decode_rows, config=config)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -553,11 +645,13 @@ class NllbRunner:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         requests: Sequence[Any] = (),
+        adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, EncoderDecoderCache]:
         """Encodes each source into its slot and seeds the decoder; logits [len(slots), V].
 
-        Every request is validated before any device work, so an error leaves ``state``
-        untouched (it is donated only once all of them pass).
+        ``adapters``: each prompt's adapter slot (-1 = base) for the encoder, the cross K/V and
+        the seed. Every request is validated before any device work, so an error leaves
+        ``state`` untouched (it is donated only once all of them pass).
         """
         requests = list(requests) or [None] * len(prompts)
         for prompt, request in zip(prompts, requests, strict=True):
@@ -589,6 +683,7 @@ class NllbRunner:
             jnp.asarray(seed),
             jnp.asarray(slot_ids),
             state,
+            self._lora(adapters, rows),
         )
         return logits[:n], state
 
@@ -601,9 +696,15 @@ class NllbRunner:
         )
 
     def decode(
-        self, state: EncoderDecoderCache, tokens: jax.Array, active: jax.Array
+        self,
+        state: EncoderDecoderCache,
+        tokens: jax.Array,
+        active: jax.Array,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, EncoderDecoderCache]:
-        return decode(self.params, self.config, tokens, active, state)
+        """One token per cache row; ``adapters`` gives each cache row's adapter slot."""
+        lora = self._lora(adapters, state.num_slots)
+        return decode(self.params, self.config, tokens, active, state, lora)
 
     def reorder_rows(
         self, state: EncoderDecoderCache, source_rows: jax.Array, with_cross: bool = False
@@ -611,8 +712,30 @@ class NllbRunner:
         """Row r becomes row ``source_rows[r]`` (cross K/V too when ``with_cross``)."""
         return reorder_rows(state, source_rows, with_cross)
 
-    def logits(self, src_ids: Sequence[int], decoder_ids: Sequence[int]) -> np.ndarray:
-        """float32 [T_dec, V]: HF's teacher-forced logits of one source and decoder sequence."""
+    def lora_input(self, adapters: Sequence[int]) -> LoraBatch | None:
+        """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``)."""
+        return self._lora(adapters, len(adapters))
+
+    def _lora(self, adapters: Sequence[int] | None, rows: int) -> LoraBatch | None:
+        """The step's adapter input for ``rows`` batch rows (past ``adapters``: the base).
+
+        None when no adapter is loaded or none was asked for.
+        """
+        if self.lora_pool is None or adapters is None:
+            return None
+        if len(adapters) > rows:
+            raise ValueError(f"{len(adapters)} adapter slots given for a batch of {rows} rows.")
+        slots = np.full((rows,), -1, np.int32)
+        slots[: len(adapters)] = adapters
+        return self.lora_pool.batch(slots)
+
+    def logits(
+        self, src_ids: Sequence[int], decoder_ids: Sequence[int], adapter: int | None = None
+    ) -> np.ndarray:
+        """float32 [T_dec, V]: HF's teacher-forced logits of one source and decoder sequence.
+
+        ``adapter``: the pool slot of a LoRA adapter (None or -1: the base model).
+        """
         self.check_source(src_ids)
         if len(decoder_ids) == 0:
             raise ValueError("decoder_ids is empty; start it with decoder_start_token_id.")
@@ -628,6 +751,7 @@ class NllbRunner:
             jnp.asarray(src),
             jnp.asarray([len(src_ids)], jnp.int32),
             jnp.asarray(dec),
+            self._lora(None if adapter is None else [adapter], 1),
         )
         return np.asarray(out[0, : len(decoder_ids)], np.float32)
 

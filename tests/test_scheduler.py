@@ -1,0 +1,220 @@
+"""The batching engine's contracts: batch invariance, no leaks, preemption, bounded compiles.
+
+One warmed engine (16 slots, 128-token prefill batches, 16-token pages) serves most tests, so
+its compiles are paid once; the pool-exhaustion test builds a second, deliberately small one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_prompt
+
+import spark_jax as sj
+from spark_jax.kv_cache import PagedKVCache
+from spark_jax.scheduler import Engine, PageAllocator
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (jax.monitoring's compile event)."""
+
+    def __enter__(self) -> CompileCounter:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
+        self.count += event == COMPILE_EVENT
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def mixed_params(i: int, max_tokens: int) -> sj.SamplingParams:
+    """Greedy and seeded sampling with every processor, by request index."""
+    kinds = [
+        dict(temperature=0.0, ignore_eos=True),
+        dict(temperature=1.0, seed=i),
+        dict(temperature=0.7, top_p=0.9, seed=1000 + i),
+        dict(temperature=1.2, top_k=20, repetition_penalty=1.3, seed=i),
+        dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+        dict(temperature=0.9, min_p=0.05, seed=i, stop_token_ids=tuple(range(0, 128, 9))),
+    ]
+    return sj.SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)])
+
+
+def solo(model: sj.Model, prompts, params) -> list[list[int]]:
+    return [sj.generate(model, p, sp).output_tokens for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> Engine:
+    _, model = tiny_llama
+    engine = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16)
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def invariance_run(engine):
+    """64 requests, prompts of 1-300 tokens, mixed sampling, run after warm-up, compiles counted."""
+    rng = np.random.RandomState(0)
+    prompts = [random_prompt(100 + i, int(rng.randint(1, 301))) for i in range(64)]
+    params = [mixed_params(i, int(rng.randint(1, 33))) for i in range(64)]
+    with CompileCounter() as counter:
+        results = engine.generate_many(prompts, params)
+    return prompts, params, results, counter.count
+
+
+# ------------------------------------------------------------------------------ the cache
+
+
+def test_a_scrambled_paged_cache_gives_the_logits_of_one_prefill(tiny_llama):
+    _, model = tiny_llama
+    ids = random_prompt(3, 37)
+    full = model.logits(ids)
+    c = model.config
+    kv = PagedKVCache.create(c.num_layers, 2, 16, 4, 12, c.num_kv_heads, c.head_dim, jnp.float32)
+    table = np.full((2, 12), 16, np.int32)
+    table[1, :10] = [9, 2, 14, 0, 7, 11, 3, 5, 12, 1]  # row 1 owns ten pages, out of order
+    kv = kv.with_block_table(jnp.asarray(table))
+    logits, kv = model.runner.prefill(kv, [1], [ids[:13]], continuing=True)
+    logits, kv = model.runner.prefill(kv, [1], [ids[13:30]], continuing=True)
+    np.testing.assert_allclose(np.asarray(logits[0]), full[29], atol=1e-5)
+    for t in range(30, 37):
+        tokens = jnp.asarray([0, ids[t]], jnp.int32)
+        logits, kv = model.runner.decode(kv, tokens, jnp.asarray([False, True]))
+        np.testing.assert_allclose(np.asarray(logits[1]), full[t], atol=1e-5)
+    assert np.asarray(kv.lengths).tolist() == [0, 37]
+
+
+def test_the_page_allocator_refuses_what_it_does_not_have():
+    pages = PageAllocator(4)
+    taken = pages.allocate(3)
+    with pytest.raises(RuntimeError, match="1 are free"):
+        pages.allocate(2)
+    pages.free(taken)
+    assert pages.in_use == 0 and sorted(pages.allocate(4)) == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------ the acceptance
+
+
+def test_64_mixed_requests_give_the_tokens_each_gives_alone(tiny_llama, invariance_run):
+    _, model = tiny_llama
+    prompts, params, results, _ = invariance_run
+    assert [r.output_tokens for r in results] == solo(model, prompts, params)
+    assert {r.finish_reason for r in results} == {"length", "stop"}
+
+
+def test_a_warmed_engine_never_compiles(invariance_run):
+    *_, compiles = invariance_run
+    assert compiles == 0
+
+
+def test_2000_requests_with_random_aborts_leave_no_page_or_slot_in_use(engine):
+    rng = np.random.RandomState(2)
+    ids: list[int] = []
+    ended: dict[int, sj.GenerationResult] = {}
+
+    def collect(outputs):
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in ended  # every request ends exactly once
+                ended[out.request_id] = out.result
+
+    for wave in range(20):
+        for i in range(100):
+            prompt = random_prompt(wave * 100 + i, int(rng.randint(1, 9)))
+            ids.append(engine.add_request(prompt, mixed_params(i, int(rng.randint(1, 9)))))
+        for _ in range(4):
+            for request_id in rng.choice(ids[-150:], size=6):  # waiting, running or ended
+                engine.abort(int(request_id))
+            collect(engine.step())
+    collect(engine.run())
+    assert sorted(ended) == ids
+    assert engine.pages_in_use == 0 and engine.slots_in_use == 0
+    aborted = [r for r in ended.values() if r.finish_reason == "abort"]
+    assert any(r.output_tokens for r in aborted)  # mid-stream
+    assert any(not r.output_tokens for r in aborted)  # before their first token
+
+
+def test_more_demand_than_pages_waits_or_preempts_and_all_complete_correctly(tiny_llama):
+    _, model = tiny_llama
+    # 12 pages of 16 = 192 tokens for requests of up to 130 tokens each.
+    small = Engine(model, max_num_seqs=8, max_batch_tokens=64, kv_pages=12, max_prefill_seqs=2)
+    rng = np.random.RandomState(3)
+    prompts = [random_prompt(300 + i, int(rng.randint(30, 71))) for i in range(10)]
+    params = [mixed_params(i, int(rng.randint(40, 61))) for i in range(10)]
+    results = small.generate_many(prompts, params)
+    assert small.num_preemptions > 0
+    assert any(r.timings["preemptions"] > 0 for r in results)
+    assert [r.output_tokens for r in results] == solo(model, prompts, params)
+    assert small.pages_in_use == 0 and small.slots_in_use == 0
+
+
+# -------------------------------------------------------------------------------- the APIs
+
+
+def test_streamed_deltas_add_up_to_each_final_result(engine):
+    ids = [engine.add_request(random_prompt(i, 5 + i), mixed_params(i, 6)) for i in range(5)]
+    streamed: dict[int, list[int]] = {i: [] for i in ids}
+    finals = {}
+    for out in engine.run():
+        streamed[out.request_id] += out.new_token_ids
+        if out.finished:
+            finals[out.request_id] = out.result.output_tokens
+    assert streamed == finals and set(finals) == set(ids)
+
+
+def test_async_streams_run_together_and_closing_one_aborts_it(engine):
+    async def consume(prompt, params, keep: int | None):
+        tokens = []
+        stream = engine.stream(prompt, params)
+        async for out in stream:
+            tokens += out.new_token_ids
+            if keep is not None and len(tokens) >= keep:
+                await stream.aclose()
+                break
+        return tokens
+
+    async def main():
+        params = sj.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        return await asyncio.gather(
+            consume(random_prompt(1, 7), params, None), consume(random_prompt(2, 9), params, 3)
+        )
+
+    full, cut = asyncio.run(main())
+    assert len(full) == 10 and len(cut) == 3
+    assert engine.slots_in_use == 0 and engine.pages_in_use == 0
+
+
+def test_a_failed_step_ends_every_request_with_error_and_frees_everything(engine, monkeypatch):
+    class Broken:
+        def __getattr__(self, name):
+            raise RuntimeError("device lost")
+
+    for i in range(3):
+        engine.add_request(random_prompt(i, 4), sj.SamplingParams(max_tokens=4, seed=i))
+    monkeypatch.setattr(engine, "runner", Broken())
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert engine.slots_in_use == 0 and engine.pages_in_use == 0
+    outputs = engine.step()
+    assert [o.result.finish_reason for o in outputs] == ["error"] * 3
+
+
+def test_requests_that_can_never_run_are_refused(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request([1] * 500, sj.SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate_many([[1, 2], [1, 999]])
+    assert not engine.has_unfinished()
