@@ -19,18 +19,34 @@ from spark_jax.engine import (
 from spark_jax.model import Model, load
 from spark_jax.sampling import SamplingParams
 from spark_jax.scheduler import Engine, RequestOutput
+from spark_jax.speculative import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    LayerSkipDrafter,
+    PromptLookupDrafter,
+    SpeculativeResult,
+    generate_speculative,
+)
 
 __all__ = [
     "BeamRequest",
     "BeamResult",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
     "Engine",
     "generate_beam",
+    "generate_speculative",
     "GenerationResult",
+    "LayerSkipDrafter",
     "Model",
     "ModelConfig",
     "RequestOutput",
     "NllbConfig",
+    "PromptLookupDrafter",
     "SamplingParams",
+    "SpeculativeResult",
     "StreamOutput",
     "TokenLogprobs",
     "config_from_hf",

@@ -1,0 +1,261 @@
+"""Speculative decoding speed at bs=1 on Llama-3-8B shapes: an oracle drafter and a noisy one.
+
+    PYTHONPATH=. python3 benchmarks/speculative.py            # on the H200, ~3 minutes
+    PYTHONPATH=. python3 benchmarks/speculative.py --tiny     # a tiny fp32 config, any backend
+
+Random bf16 weights (``decoder.init_params``), one sequence. The baseline is
+``engine.generate`` (greedy); its output is the target's own continuation, which the oracle
+drafter replays, so every draft is accepted (acceptance 1.0). The noisy drafter replays it
+too but replaces each draft token with a wrong one with probability ``--corrupt`` (0.5):
+a draft is then accepted with probability a = 1 - corrupt, independently, so a verify step
+yields E[tokens] = (1 - a^(K+1)) / (1 - a) tokens (1.94 at K=4, a=0.5). Its expected speedup
+is E[tokens] x (decode step time / oracle step time), the step times measured in this run.
+
+Figures are decode-phase rates (tokens after the first / time after the first), the median of
+``--repeats`` warm runs. ``verify_ms`` and ``decode_ms`` are the bare jitted steps chained
+on the device (no host work), so ``oracle_step_ms - verify_ms`` is the host loop's share.
+If bf16 rounding makes a verify step's argmax differ from the decode step's (the rows of a
+K+1-token matmul round differently), the oracle replays the speculative output instead; the
+number of tokens where the two greedy outputs differ is reported (``greedy_mismatches``).
+Results: one JSON line on stdout (and $OUT/speculative.json) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import chain_seconds, emit, print_table
+from spark_jax.config import ModelConfig, RopeConfig
+from spark_jax.engine import GenerationResult, generate
+from spark_jax.model import Model
+from spark_jax.models import decoder
+from spark_jax.sampling import SamplingParams
+from spark_jax.speculative import Draft, generate_speculative
+
+LLAMA3_8B = ModelConfig(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(
+        theta=500000.0,
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    max_position_embeddings=131072,
+)
+TINY = dataclasses.replace(
+    LLAMA3_8B,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+
+
+class ReplayDrafter:
+    """Proposes ``reference`` (the target's own continuation), each token corrupted with
+    probability ``corrupt`` (seeded, so every repeat proposes the same drafts)."""
+
+    def __init__(self, reference: Sequence[int], vocab: int, corrupt: float = 0.0, seed: int = 0):
+        self.reference = list(reference)
+        self.vocab = vocab
+        self.corrupt = corrupt
+        self.seed = seed
+
+    def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
+        self.prompt_len = len(prompt)
+        self.rng = np.random.RandomState(self.seed)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        done = len(context) - self.prompt_len
+        tokens = self.reference[done : done + k]
+        wrong = self.rng.rand(len(tokens)) < self.corrupt
+        return Draft([(t + 1) % self.vocab if w else t for t, w in zip(tokens, wrong, strict=True)])
+
+    def finish(self) -> None:
+        pass
+
+
+def decode_rate(result: GenerationResult) -> float:
+    """Tokens per second after the first token."""
+    return (len(result.output_tokens) - 1) / (result.timings["total_s"] - result.timings["ttft_s"])
+
+
+def median_run(run: Callable[[], GenerationResult], repeats: int) -> tuple[float, Any]:
+    """(median decode-phase tok/s over warm repeats, the last result); the first call warms."""
+    result = run()
+    rates = []
+    for _ in range(repeats):
+        result = run()
+        rates.append(decode_rate(result))
+    return statistics.median(rates), result
+
+
+def bare_step_ms(model: Model, context: int, width: int) -> float:
+    """Device time of one decode (width 0) or verify (width tokens) step, chained, no host."""
+    runner = model.runner
+    state = runner.init_state(1, 2 * context)
+    _, state = runner.prefill(state, [0], [list(range(1, context + 1))])
+    # Each step rolls the length back by what it added, so the context stays the same.
+    if width == 0:
+        tokens, active = jnp.ones((1,), jnp.int32), jnp.ones((1,), bool)
+
+        def step(s: Any) -> Any:
+            s = runner.decode(s, tokens, active)[1]
+            return s.with_lengths(s.lengths - 1)
+    else:
+        tokens, lengths = jnp.ones((1, width), jnp.int32), jnp.full((1,), width, jnp.int32)
+
+        def step(s: Any) -> Any:
+            s = runner.verify(s, tokens, lengths)[1]
+            return s.with_lengths(s.lengths - width)
+
+    seconds, _, _ = chain_seconds(step, state, steps=16)
+    return 1e3 * seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke run)")
+    parser.add_argument("--num-drafts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--corrupt", type=float, default=0.5, help="share of drafts made wrong")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    config = TINY if args.tiny else LLAMA3_8B
+    # The CPU backend has no bf16 batched dot: the tiny run is fp32.
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    model = Model(config, decoder.init_params(config, jax.random.PRNGKey(0), dtype))
+    k = args.num_drafts
+    prompt = np.random.RandomState(1).randint(0, config.vocab_size, args.prompt_len).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+
+    base_tok_s, base = median_run(lambda: generate(model, prompt, params), args.repeats)
+
+    # Replay what the speculative path itself outputs, so bf16 argmax flips between the
+    # decode and verify steps cannot turn into rejected oracle drafts.
+    reference = base.output_tokens
+    for _ in range(3):
+        probe = generate_speculative(
+            model, prompt, params, k, ReplayDrafter(reference, config.vocab_size)
+        )
+        if probe.spec_stats["acceptance_rate"] == 1.0:
+            break
+        reference = probe.output_tokens
+    mismatches = sum(a != b for a, b in zip(reference, base.output_tokens, strict=True))
+
+    def speculative(corrupt: float) -> tuple[float, Any]:
+        return median_run(
+            lambda: generate_speculative(
+                model, prompt, params, k, ReplayDrafter(reference, config.vocab_size, corrupt)
+            ),
+            args.repeats,
+        )
+
+    oracle_tok_s, oracle = speculative(0.0)
+    noisy_tok_s, noisy = speculative(args.corrupt)
+    context = args.prompt_len + args.new_tokens // 2
+    decode_ms = bare_step_ms(model, context, 0)
+    verify_ms = bare_step_ms(model, context, k + 1)
+
+    def step_ms(result: Any) -> float:
+        steps = result.timings["decode_steps"]
+        return 1e3 * (len(result.output_tokens) - 1) / decode_rate(result) / steps
+
+    a = 1.0 - args.corrupt
+    expected_tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
+    base_step_ms = 1e3 / base_tok_s
+    oracle_step_ms = step_ms(oracle)
+    results = {
+        "benchmark": "speculative",
+        "config": "tiny" if args.tiny else "llama3-8b",
+        "dtype": jnp.dtype(dtype).name,
+        "device": jax.devices()[0].device_kind,
+        "batch_size": 1,
+        "num_drafts": k,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "baseline_tok_s": base_tok_s,
+        "baseline_step_ms": base_step_ms,
+        "decode_ms": decode_ms,
+        "verify_ms": verify_ms,
+        "greedy_mismatches": mismatches,
+        "oracle": {
+            "tok_s": oracle_tok_s,
+            "speedup": oracle_tok_s / base_tok_s,
+            "acceptance_rate": oracle.spec_stats["acceptance_rate"],
+            "tokens_per_step": oracle.spec_stats["tokens_per_step"],
+            "step_ms": oracle_step_ms,
+        },
+        "corrupted": {
+            "corrupt": args.corrupt,
+            "tok_s": noisy_tok_s,
+            "speedup": noisy_tok_s / base_tok_s,
+            "acceptance_rate": noisy.spec_stats["acceptance_rate"],
+            "tokens_per_step": noisy.spec_stats["tokens_per_step"],
+            "expected_tokens_per_step": expected_tokens,
+            "expected_acceptance_rate": (expected_tokens - 1) / k,  # later drafts die with one
+            "expected_speedup": expected_tokens * base_step_ms / oracle_step_ms,
+            "step_ms": step_ms(noisy),
+            "output_matches_oracle": noisy.output_tokens == oracle.output_tokens,
+        },
+    }
+    emit(results, "speculative")
+    print_table(
+        ["run", "tok/s", "speedup", "acceptance", "tokens/step", "ms/step"],
+        [
+            ["generate", base_tok_s, 1.0, None, 1.0, base_step_ms],
+            [
+                f"oracle K={k}",
+                oracle_tok_s,
+                oracle_tok_s / base_tok_s,
+                oracle.spec_stats["acceptance_rate"],
+                oracle.spec_stats["tokens_per_step"],
+                oracle_step_ms,
+            ],
+            [
+                f"{args.corrupt:.0%} corrupted",
+                noisy_tok_s,
+                noisy_tok_s / base_tok_s,
+                noisy.spec_stats["acceptance_rate"],
+                noisy.spec_stats["tokens_per_step"],
+                step_ms(noisy),
+            ],
+            [
+                "expected",
+                None,
+                results["corrupted"]["expected_speedup"],
+                (expected_tokens - 1) / k,
+                expected_tokens,
+                None,
+            ],
+            ["bare decode step", None, None, None, None, decode_ms],
+            [f"bare verify step (T={k + 1})", None, None, None, None, verify_ms],
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()
