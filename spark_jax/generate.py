@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt-lang", help="NLLB target language code, e.g. fra_Latn")
     p.add_argument("--num-beams", type=int, default=1, help="beam search width (NLLB)")
     p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument(
+        "--speculative",
+        choices=["ngram", "draft", "layer-skip"],
+        help="speculative decoding with prompt lookup, a draft model or skipped layers",
+    )
+    p.add_argument("--num-drafts", type=int, default=4, help="draft tokens per verify step")
+    p.add_argument("--draft-model", help="the draft model directory (--speculative draft)")
+    p.add_argument("--skip-layers", help="layers the drafter skips, e.g. 1,3 (layer-skip)")
     return p
 
 
@@ -95,6 +103,21 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         src_lang=args.src_lang,
         tgt_lang=args.tgt_lang,
     )
+
+
+def _drafter(args: argparse.Namespace, model: Any) -> Any:
+    """The drafter the speculative flags ask for."""
+    import spark_jax as sj
+
+    if args.speculative == "draft":
+        if not args.draft_model:
+            raise SystemExit("--speculative draft needs --draft-model DIR (a converted model).")
+        return sj.DraftModelDrafter(sj.load(args.draft_model, dtype=args.dtype))
+    if args.speculative == "layer-skip":
+        if not args.skip_layers:
+            raise SystemExit("--speculative layer-skip needs --skip-layers, e.g. --skip-layers 1,3")
+        return sj.LayerSkipDrafter(model, [int(i) for i in args.skip_layers.split(",")])
+    return sj.PromptLookupDrafter()
 
 
 def _encode(model: Any, args: argparse.Namespace, text: str) -> list[int]:
@@ -161,6 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         for beam in generate_beam(model, requests):
             text = model.tokenizer.decode(beam.sequences[0])
             print(json.dumps({"text": text, "score": beam.scores[0]}) if args.json else text)
+        return 0
+
+    if args.speculative:
+        drafter = _drafter(args, model)
+        for prompt in prompts:
+            result = sj.generate_speculative(model, prompt, params, args.num_drafts, drafter)
+            if args.json:
+                print(json.dumps({**_result_json(result, load_s), "spec_stats": result.spec_stats}))
+            else:
+                print(result.text)
+                print(json.dumps(result.spec_stats), file=sys.stderr)
         return 0
 
     if args.json or len(prompts) > 1:

@@ -196,3 +196,18 @@ def test_importing_the_cli_module_keeps_sj_generate_working(tiny_llama):
         sj.generate(model, [1, 2, 3], params).output_tokens
         == generate(model, [1, 2, 3], params).output_tokens
     )
+
+
+def test_speculative_flags_give_the_greedy_answer_with_statistics(
+    capsys: pytest.CaptureFixture[str], smollm2_converted: Path, smollm2: sj.Model
+) -> None:
+    question = "Repeat exactly: the cat sat on the mat. the cat sat on the mat."
+    argv = ["--model", str(smollm2_converted), "--json", "--max-tokens", "24"]
+    main([*argv, "--speculative", "ngram", "--num-drafts", "4", "--prompt", question])
+    out = json.loads(capsys.readouterr().out)
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": question}])
+    plain = generate(smollm2, prompt, sj.SamplingParams(temperature=0.0, max_tokens=24))
+    assert out["output_tokens"] == plain.output_tokens
+    assert out["spec_stats"]["verify_steps"] >= 1 and out["spec_stats"]["num_drafted"] > 0
+    with pytest.raises(SystemExit, match="--skip-layers"):
+        main([*argv, "--speculative", "layer-skip", "--prompt", question])
