@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.models.nllb import bucket
+from spark_jax.models.common import bucket
 
 _PENALTY = np.float32(-1.0e9)  # HF's "never pick this" offset, in the same float32 arithmetic
 _DEFAULT_MAX_ROWS = 256

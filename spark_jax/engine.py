@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.models.common import bucket
 from spark_jax.sampling import SampleOutput, SamplerBatch, SamplingParams, count_tokens, sample
 from spark_jax.tokenizer import IncrementalDetokenizer
 
@@ -62,10 +63,7 @@ class StreamOutput:
 
 def cache_len(n: int) -> int:
     """The cache-length ladder: powers of two from MIN_CACHE_LEN, so decode compiles rarely."""
-    size = MIN_CACHE_LEN
-    while size < n:
-        size *= 2
-    return size
+    return bucket(n, MIN_CACHE_LEN)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from spark_jax.config import ModelConfig
 from spark_jax.kv_cache import KVCache, read_rows, write_kv
 from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.lora import LoraTarget, scope
+from spark_jax.models.common import bucket, random_params
 from spark_jax.models.weights import WeightSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -317,29 +318,15 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.floa
     tokens = jnp.zeros((1, 1), jnp.int32)
     positions = jnp.zeros((1, 1), jnp.int32)
     mask = AttentionMask(query_positions=positions, key_lengths=jnp.ones((1,), jnp.int32))
-    shapes = jax.eval_shape(
-        lambda k: model.init(k, tokens, positions, mask, kv, method=DecoderLM.init_all)["params"],
-        key,
-    )
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    keys = jax.random.split(key, len(leaves))
-    arrays = [
-        (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
-        for k, s in zip(keys, leaves, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+    def init(k: jax.Array) -> Any:
+        return model.init(k, tokens, positions, mask, kv, method=DecoderLM.init_all)["params"]
+
+    return random_params(init, key, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # The engine-facing runner: host-side padding and bucketing around the jitted steps.
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """The smallest power of two >= n (and >= minimum): the padding ladder of prompt lengths."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
 
 
 class Runner:

@@ -40,6 +40,7 @@ from spark_jax.config import NllbConfig
 from spark_jax.kv_cache import EncoderDecoderCache, read_rows, write_kv
 from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.lora import LoraBatch, LoraTarget, scope
+from spark_jax.models.common import bucket, random_params
 from spark_jax.models.weights import WeightSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -533,29 +534,15 @@ def init_params(config: NllbConfig, key: jax.Array, dtype: jnp.dtype = jnp.float
     src = jnp.full((1, 4), config.eos_token_id, jnp.int32)
     src_len = jnp.full((1,), 4, jnp.int32)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(
-        lambda k: model.init(k, src, src_len, tokens, cache, method=Nllb.init_all)["params"],
-        key,
-    )
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    keys = jax.random.split(key, len(leaves))
-    arrays = [
-        (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
-        for k, s in zip(keys, leaves, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+    def init(k: jax.Array) -> Any:
+        return model.init(k, src, src_len, tokens, cache, method=Nllb.init_all)["params"]
+
+    return random_params(init, key, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # The engine-facing runner: validation, language codes, padding and bucketing around the steps.
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """The smallest power of two >= n (and >= minimum): the padding ladder of shapes."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
 
 
 class NllbRunner:
