@@ -450,6 +450,35 @@ def _top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.
     return jax.lax.cond(jnp.any(wanted > 0), compute, skip, logits)
 
 
+def process_logits(
+    logits: jax.Array,
+    batch: SamplerBatch,
+    token_counts: jax.Array,
+    prompt_mask: jax.Array,
+    num_generated: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The processor chain: (processed logits [B, V] f32, greedy tokens [B]).
+
+    The processed logits are what a sampled row draws from (and what logprobs describe); the
+    greedy tokens are the argmax after the penalties, before temperature and the filters.
+    """
+    logits = logits.astype(jnp.float32)
+    logits = apply_logit_bias(logits, batch.bias_ids, batch.bias_values)
+    seen = prompt_mask.astype(bool) | (token_counts > 0)
+    logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+    logits = apply_presence_frequency(
+        logits, token_counts, batch.presence_penalty, batch.frequency_penalty
+    )
+    logits = apply_min_tokens(logits, batch.stop_ids, batch.min_tokens, num_generated)
+    # Temperature and the filters below never move the argmax (top-1 is always kept), so
+    # greedy rows read the penalized logits directly: bitwise plain argmax without penalties.
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = apply_temperature(logits, batch.temperature)
+    logits = _filter_top_k_top_p(logits, batch)
+    logits = apply_min_p(logits, batch.min_p)
+    return logits, greedy_tokens
+
+
 @jax.jit
 def sample(
     logits: jax.Array,
@@ -468,21 +497,7 @@ def sample(
     """
     if batch.batch_size != logits.shape[0]:
         raise ValueError(f"batch has {batch.batch_size} rows but logits {logits.shape[0]}")
-    logits = logits.astype(jnp.float32)
-    logits = apply_logit_bias(logits, batch.bias_ids, batch.bias_values)
-    seen = prompt_mask.astype(bool) | (token_counts > 0)
-    logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
-    logits = apply_presence_frequency(
-        logits, token_counts, batch.presence_penalty, batch.frequency_penalty
-    )
-    logits = apply_min_tokens(logits, batch.stop_ids, batch.min_tokens, num_generated)
-    # Temperature and the filters below never move the argmax (top-1 is always kept), so
-    # greedy rows read the penalized logits directly: bitwise plain argmax without penalties.
-    greedy_tokens = jnp.argmax(logits, axis=-1)
-
-    logits = apply_temperature(logits, batch.temperature)
-    logits = _filter_top_k_top_p(logits, batch)
-    logits = apply_min_p(logits, batch.min_p)
+    logits, greedy_tokens = process_logits(logits, batch, token_counts, prompt_mask, num_generated)
     noise = _row_gumbel(batch.keys, num_generated, logits.shape[-1])
     sampled_tokens = jnp.argmax(logits + noise, axis=-1)  # Gumbel-max = categorical draw
     tokens = jnp.where(batch.temperature > 0, sampled_tokens, greedy_tokens).astype(jnp.int32)

@@ -44,18 +44,7 @@ from spark_jax.engine import (
     cache_len,
 )
 from spark_jax.model import Model
-from spark_jax.sampling import (
-    MAX_LOGPROBS,
-    SamplerBatch,
-    SamplingParams,
-    apply_logit_bias,
-    apply_min_p,
-    apply_min_tokens,
-    apply_presence_frequency,
-    apply_repetition_penalty,
-    apply_temperature,
-    apply_top_k_top_p,
-)
+from spark_jax.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
 
 # Folded into a seed's key for the drafter's own draws: they must be independent of the
 # target's acceptance draws, or the rejection rule no longer yields the target's distribution.
@@ -260,27 +249,8 @@ def target_logits(
     prompt_mask: jax.Array,
     num_generated: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """``sampling.sample``'s processor chain: (processed logits [B, V], greedy tokens [B]).
-
-    The greedy tokens are the argmax before temperature and filtering, as in ``sample``;
-    the processed logits are what ``sample`` draws from (greedy rows unscaled).
-    """
-    logits = logits.astype(jnp.float32)
-    logits = apply_logit_bias(logits, batch.bias_ids, batch.bias_values)
-    seen = prompt_mask.astype(bool) | (token_counts > 0)
-    logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
-    logits = apply_presence_frequency(
-        logits, token_counts, batch.presence_penalty, batch.frequency_penalty
-    )
-    logits = apply_min_tokens(logits, batch.stop_ids, batch.min_tokens, num_generated)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = apply_temperature(logits, batch.temperature)
-    needed = jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0)
-    logits = jax.lax.cond(
-        needed, lambda x: apply_top_k_top_p(x, batch.top_k, batch.top_p), lambda x: x, logits
-    )
-    logits = apply_min_p(logits, batch.min_p)
-    return logits, greedy_tokens
+    """``sampling.sample``'s processor chain: (processed logits [B, V], greedy tokens [B])."""
+    return process_logits(logits, batch, token_counts, prompt_mask, num_generated)
 
 
 def _accepted_prefix(ok: jax.Array) -> jax.Array:
