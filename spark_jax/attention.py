@@ -1,4 +1,4 @@
-"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, later Pallas.
+"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, Pallas opt-in.
 
 Every caller describes what it wants with an ``AttentionMask`` of positions and lengths; the
 mask itself is built here, once, so the model files never build masks by hand.
@@ -133,6 +133,50 @@ def cudnn_decode_attention(
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Pallas (Mosaic GPU) split-K decode kernel: opt-in only. The default dispatch does not use it
+# until the H200 benchmark (benchmarks/attention.py) shows it beating cuDNN; until then it
+# runs only through ``attention(..., implementation="pallas")``.
+
+_PALLAS_CHUNKS = (256, 128, 64)  # keys per program, largest first
+
+
+def pallas_decode_applies(
+    q: jax.Array, k: jax.Array, mask: AttentionMask, sliding_window: int | None
+) -> bool:
+    """True where the split-K kernel runs: T*G <= 64 query rows per kv head, no window, head
+    dim a multiple of 64, S a multiple of 64; bf16/f16 on Hopper, or the CPU interpreter."""
+    from pallas_kernels.decode_attention import decode_attention_applies
+
+    del mask  # any positions and lengths: causality is per query row in the kernel
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+        return False
+    return any(decode_attention_applies(q, k, c, sliding_window) for c in _PALLAS_CHUNKS)
+
+
+def pallas_decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, scale: float | None = None
+) -> jax.Array:
+    """q [B,T,N,H] over k/v [B,S,K,H] with the split-K kernel (interpreted off the GPU)."""
+    from pallas_kernels.decode_attention import decode_attention, decode_attention_applies
+
+    chunk = next(c for c in _PALLAS_CHUNKS if decode_attention_applies(q, k, c))
+    positions = mask.query_positions if mask.causal else None
+    interpret = jax.default_backend() != "gpu"
+    return decode_attention(
+        q, k, v, mask.key_lengths, positions, scale, chunk=chunk, interpret=interpret
+    )
+
+
+def _is_hopper() -> bool:
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point.
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -140,8 +184,33 @@ def attention(
     mask: AttentionMask,
     sliding_window: int | None = None,
     scale: float | None = None,
+    implementation: str | None = None,
 ) -> jax.Array:
-    """The attention entry point of every model; picks the implementation for the backend."""
-    if cudnn_decode_applies(q, k, sliding_window):
+    """The attention entry point of every model; picks the implementation for the backend.
+
+    ``implementation`` None picks (cuDNN for a decode step on the GPU, else the reference);
+    "xla" forces the reference, "cudnn" and "pallas" force those kernels and raise where they
+    do not apply.
+    """
+    if implementation is None:
+        if cudnn_decode_applies(q, k, sliding_window):
+            return cudnn_decode_attention(q, k, v, mask, scale)
+        return reference_attention(q, k, v, mask, sliding_window, scale)
+    if implementation == "xla":
+        return reference_attention(q, k, v, mask, sliding_window, scale)
+    if implementation == "cudnn":
+        if not cudnn_decode_applies(q, k, sliding_window):
+            raise ValueError(
+                "implementation='cudnn' needs one bf16/f16 query per row on a GPU and no "
+                "sliding window; pass implementation=None to let the dispatch choose."
+            )
         return cudnn_decode_attention(q, k, v, mask, scale)
-    return reference_attention(q, k, v, mask, sliding_window, scale)
+    if implementation == "pallas":
+        if not pallas_decode_applies(q, k, mask, sliding_window):
+            raise ValueError(
+                "implementation='pallas' needs T*G <= 64 query rows per kv head, head dim and "
+                "key length multiples of 64, no sliding window, and bf16/f16 on Hopper; pass "
+                "implementation=None to let the dispatch choose."
+            )
+        return pallas_decode_attention(q, k, v, mask, scale)
+    raise ValueError(f"unknown implementation {implementation!r}: None, xla, cudnn or pallas")

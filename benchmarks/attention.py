@@ -1,0 +1,236 @@
+"""Attention kernels against their references and their peers, on the issue's shapes.
+
+    PYTHONPATH=. python3 benchmarks/attention.py           # on the H200, bf16, ~2 minutes
+    PYTHONPATH=. python3 benchmarks/attention.py --tiny    # tiny fp32 shapes, any backend
+
+Cases: prefill, causal GQA 32/8, head dim 128 (B=1 S=8192 and B=4 S=2048), figures in
+TFLOP/s of the causal half (``4 B N T S H / 2``); decode, GQA 32/8, head dim 128, every row at
+length S=4096 (B=64 and B=1), figures in TB/s of K/V read (``2 B S K H`` elements). Each
+implementation of a case is first checked against ``spark_jax.attention.reference_attention``
+in fp32 on the same random inputs, with the device's free memory poisoned with NaN just
+before the run (so an output slot the kernel never writes shows up as NaN), then timed:
+
+- ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU),
+- ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
+- ``xla`` the reference as the engine runs it,
+- ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
+  (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
+  FA3 (``attention_mgpu``, GPU only; f16 only, so its timing includes a cast of q, k, v).
+
+A peer that fails records its error instead of a figure. ``--tiny`` runs fp32 with the
+Pallas kernels in interpret mode: its timings mean nothing, its checks do.
+Results: one JSON line on stdout (and $OUT/attention.json) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import copy_bandwidth, emit, matmul_rate, median_seconds, print_table
+from pallas_kernels.decode_attention import decode_attention
+from spark_jax.attention import AttentionMask, reference_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+Impl = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # q, k, v, lengths
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark shape: q [B,T,N,H], k/v [B,S,K,H]."""
+
+    name: str
+    kind: str  # "prefill" (T = S, causal) or "decode" (T = 1, keys < lengths)
+    b: int
+    s: int
+    n: int
+    kv_heads: int
+    h: int
+    dtype: str
+
+    @property
+    def t(self) -> int:
+        return self.s if self.kind == "prefill" else 1
+
+    def work(self) -> float:
+        """FLOPs of the causal half (prefill) or bytes of K and V read (decode)."""
+        if self.kind == "prefill":
+            return 4 * self.b * self.n * self.t * self.s * self.h / 2
+        return 2 * self.b * self.s * self.kv_heads * self.h * jnp.dtype(self.dtype).itemsize
+
+
+FULL = [
+    Case("prefill_s8192", "prefill", 1, 8192, 32, 8, 128, "bfloat16"),
+    Case("prefill_s2048", "prefill", 4, 2048, 32, 8, 128, "bfloat16"),
+    Case("decode_b64_s4096", "decode", 64, 4096, 32, 8, 128, "bfloat16"),
+    Case("decode_b1_s4096", "decode", 1, 4096, 32, 8, 128, "bfloat16"),
+]
+TINY = [
+    Case("prefill_tiny", "prefill", 1, 128, 4, 2, 64, "float32"),
+    Case("decode_tiny", "decode", 2, 256, 8, 2, 64, "float32"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, the reference and the implementations.
+
+
+def inputs(case: Case, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Random (never zero) q, k, v and lengths (every row at S)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shapes = [(case.b, case.t, case.n, case.h)] + [(case.b, case.s, case.kv_heads, case.h)] * 2
+    q, k, v = (jax.random.normal(kk, sh, case.dtype) for kk, sh in zip(keys, shapes, strict=True))
+    return q, k, v, jnp.full((case.b,), case.s, jnp.int32)
+
+
+def mask_of(case: Case, lengths: jax.Array) -> AttentionMask:
+    positions = jnp.broadcast_to(lengths[:, None] - case.t + jnp.arange(case.t), (case.b, case.t))
+    return AttentionMask(positions, lengths, causal=True)
+
+
+def implementations(case: Case) -> dict[str, Impl | None]:
+    """name -> implementation for the case (None: not available for this case or backend)."""
+    scale = case.h**-0.5
+    xla = lambda q, k, v, n: reference_attention(q, k, v, mask_of(case, n))  # noqa: E731
+    if case.kind == "decode":
+        pallas = partial(_pallas_decode, interpret=not ON_GPU)
+        cudnn = partial(_cudnn, causal=False) if ON_GPU else None
+        return {
+            "pallas": pallas,
+            "cudnn": cudnn,
+            "xla": xla,
+            "triton_gqa": partial(_triton_gqa, scale=scale),
+        }
+    return {
+        "pallas": None,  # flash_attention (prefill) is not written yet
+        "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
+        "xla": xla,
+        "triton_mha": partial(_triton_mha, scale=scale),
+        "mosaic_fa3": _mosaic_fa3 if ON_GPU else None,
+    }
+
+
+def _pallas_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
+    chunk = 256 if k.shape[1] % 256 == 0 else 64
+    return decode_attention(q, k, v, lengths, chunk=chunk, interpret=interpret)
+
+
+def _cudnn(q, k, v, lengths, causal: bool) -> jax.Array:
+    if causal:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"
+    )
+
+
+def _triton_gqa(q, k, v, lengths, scale: float) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import decode_attention as triton
+
+    out = triton.gqa(q[:, 0], k, v, kv_seq_len=lengths, sm_scale=scale, interpret=not ON_GPU)
+    return out[:, None]
+
+
+def _triton_mha(q, k, v, lengths, scale: float) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import attention as triton
+
+    del lengths  # every row is full
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    return triton.mha(q, k, v, None, sm_scale=scale, causal=True, interpret=not ON_GPU)
+
+
+def _mosaic_fa3(q, k, v, lengths) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as fa3
+
+    del lengths  # every row is full; fa3 takes f16 only, so the cast is inside the timing
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+    config = fa3.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return fa3.attention(q, k, v, config).astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Check and time.
+
+
+def poison_free_memory(nbytes: int) -> None:
+    """Fills ``nbytes`` of device memory with NaN and frees it, for the next outputs to reuse."""
+    junk = jnp.full((max(nbytes, 4) // 4,), jnp.nan, jnp.float32)
+    junk.block_until_ready()
+    junk.delete()
+
+
+def run_case(case: Case, iters: int) -> dict[str, Any]:
+    q, k, v, lengths = inputs(case)
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = jax.jit(reference_attention)(*up, mask_of(case, lengths))
+    tolerance = 1e-2 if case.dtype in ("bfloat16", "float16") else 1e-5
+    results: dict[str, Any] = {"case": asdict(case), "tolerance": tolerance}
+    for name, impl in implementations(case).items():
+        if impl is None:
+            results[name] = {"skipped": "not available for this case or backend"}
+            continue
+        fn = jax.jit(impl)
+        try:
+            poison_free_memory(max(4 * q.size * 4, k.nbytes))
+            out = jax.block_until_ready(fn(q, k, v, lengths)).astype(jnp.float32)
+            rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            entry: dict[str, Any] = {"rel_error": rel, "ok": bool(rel <= tolerance)}
+            seconds = median_seconds(lambda fn=fn: fn(q, k, v, lengths), warmup=1, iters=iters)
+            entry["us"] = seconds * 1e6
+            unit = "tflop_s" if case.kind == "prefill" else "tb_s"
+            entry[unit] = case.work() / seconds / 1e12
+        except Exception as error:  # a peer that fails records why, the run goes on
+            entry = {"error": f"{type(error).__name__}: {error}"[:500]}
+            traceback.print_exc()
+        results[name] = entry
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (CPU smoke run)")
+    parser.add_argument("--cases", default="", help="comma list of case names (default: all)")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    cases = TINY if args.tiny else FULL
+    if args.cases:
+        cases = [c for c in cases if c.name in args.cases.split(",")]
+    results: dict[str, Any] = {"backend": jax.default_backend(), "jax": jax.__version__}
+    if ON_GPU:
+        results["device"] = jax.devices()[0].device_kind
+        results["copy_tb_s"] = copy_bandwidth() / 1e12
+        results["matmul_tflop_s"] = matmul_rate() / 1e12
+    for case in cases:
+        results[case.name] = run_case(case, 2 if args.tiny else args.iters)
+    emit(results, "attention")
+    rows = []
+    for case in cases:
+        for name, entry in results[case.name].items():
+            if isinstance(entry, dict) and name != "case":
+                figure = entry.get("tflop_s", entry.get("tb_s"))
+                note = entry.get("error", entry.get("skipped", ""))[:60]
+                rows.append(
+                    [case.name, name, entry.get("rel_error"), figure, entry.get("us"), note]
+                )
+    print_table(["case", "impl", "rel err", "TFLOP/s|TB/s", "us", "note"], rows)
+    failed = [
+        (c.name, n)
+        for c in cases
+        for n, e in results[c.name].items()
+        if isinstance(e, dict) and e.get("ok") is False and n == "pallas"
+    ]
+    if failed:
+        raise SystemExit(f"our kernels disagree with the reference: {failed}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()

@@ -1,0 +1,294 @@
+"""Split-K decode attention on Mosaic GPU: few query tokens per row against a ragged KV cache.
+
+The kernel runs one program per (batch row b, kv head k, key chunk c). A program skips its
+chunk outright when the chunk starts at or past ``key_lengths[b]`` (no copy, no math, no
+write); otherwise it copies the chunk's K and V (and the row's queries) into shared memory
+with TMA, computes the chunk's scores for every query of the kv head's group on the tensor
+cores, and writes an unnormalised partial result (row max, row sum, P @ V). A small jnp step
+(``_merge_chunks``) then combines the chunks with the usual log-sum-exp rescaling, ignoring
+skipped chunks. Splitting over the keys is what lets a batch of one fill the GPU: B=1, K=8,
+S=4096 with 256-key chunks is 128 programs.
+
+Queries of one kv head are laid out as the rows of one matrix: row r = t * G + g for query
+token t and query head g of the group, padded to 64 rows (the wgmma M tile); the T*G <= 64
+real rows cover decode (T=1) and speculative verify (T = drafts + 1) with GQA up to 8.
+Each row carries its own visible-key limit (the row's length, capped by causality at the
+token's position + 1), so causal verify and ragged lengths are one mask.
+
+Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's CPU interpreter
+(``InterpretGPUParams``). Two things differ there, both layout-only, in ``_transposed_keys``
+and ``_with_layout``: jax 0.10.2's interpreter neither takes a transposed wgmma operand nor
+knows ``layout_cast``, so it materialises K^T in shared memory and skips register layouts.
+
+Axes: B batch, T query tokens, S key slots, N query heads, K kv heads, G = N / K, H head dim,
+C key chunks, L keys per chunk, R query rows per kv head (padded to 64), P rows written.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from spark_jax.attention import AttentionMask, reference_attention
+
+ROWS = 64  # the wgmma M tile: query rows per program
+_MASKED = -1e30  # finite, so a row with no visible key in a chunk gives no NaN
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_lengths: jax.Array,
+    query_positions: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """The jnp reference: ``reference_attention`` with the kernel's mask convention."""
+    return reference_attention(q, k, v, _mask(q, key_lengths, query_positions), scale=scale)
+
+
+def decode_attention_applies(
+    q: jax.Array, k: jax.Array, chunk: int = 256, sliding_window: int | None = None
+) -> bool:
+    """True where the kernel's static constraints hold (any backend; the dtype is checked by
+    the caller: the tensor cores take bf16/f16, the interpreter any float)."""
+    _, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    return (
+        sliding_window is None
+        and n % kv_heads == 0
+        and t * (n // kv_heads) <= ROWS
+        and h % 64 == 0
+        and chunk % 64 == 0
+        and s % chunk == 0
+        and k.dtype == q.dtype
+    )
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_lengths: jax.Array,
+    query_positions: jax.Array | None = None,
+    scale: float | None = None,
+    *,
+    chunk: int = 256,
+    interpret: bool = False,
+) -> jax.Array:
+    """q [B,T,N,H] over k/v [B,S,K,H] with keys s < key_lengths[b] -> [B,T,N,H] in q's dtype.
+
+    ``query_positions`` int32[B,T], when given, adds causality (key s visible to token t only
+    if s <= query_positions[b, t]); without it every query sees its row's whole length (the
+    decode step, whose one query sits at the last visible key). A row of length 0 gives zeros.
+    ``chunk`` (L) keys per program: a multiple of 64 dividing S.
+    """
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    if not decode_attention_applies(q, k, chunk):
+        raise ValueError(f"decode_attention does not apply to q {q.shape}, k {k.shape}, {chunk=}")
+    g = n // kv_heads
+    scale = h**-0.5 if scale is None else float(scale)
+    q_rows, limit = _query_rows(q, kv_heads, key_lengths, query_positions)
+    run = _decode_kernel(b, s, kv_heads, h, chunk, q_rows.shape[2], q.dtype, scale, interpret)
+    row_max, row_sum, out = run(key_lengths.astype(jnp.int32), limit, q_rows, k, v)
+    merged = _merge_chunks(row_max, row_sum, out, key_lengths, chunk)  # [B, K, P, H]
+    merged = merged[:, :, : t * g].reshape(b, kv_heads, t, g, h).transpose(0, 2, 1, 3, 4)
+    return merged.reshape(b, t, n, h).astype(q.dtype)
+
+
+def _query_rows(
+    q: jax.Array, kv_heads: int, key_lengths: jax.Array, query_positions: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Queries per kv head as rows r = t * G + g, and each row's visible-key limit.
+
+    q [B,T,N,H] -> q rows [B,K,P,H] and limits int32[B,K,P], P = T*G rounded up to 8 (the
+    padding rows have limit 0: every key masked, their output dropped).
+    """
+    b, t, n, h = q.shape
+    g = n // kv_heads
+    pad = _round_up(t * g, 8) - t * g
+    rows = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, h)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    limit = jnp.broadcast_to(key_lengths.astype(jnp.int32)[:, None], (b, t))
+    if query_positions is not None:
+        limit = jnp.minimum(limit, query_positions.astype(jnp.int32) + 1)
+    limit = jnp.broadcast_to(limit[:, None, :, None], (b, kv_heads, t, g)).reshape(b, kv_heads, -1)
+    return rows, jnp.pad(limit, ((0, 0), (0, 0), (0, pad)))
+
+
+def _decode_kernel(
+    b: int,
+    s: int,
+    kv_heads: int,
+    h: int,
+    chunk: int,
+    rows_written: int,
+    dtype: jnp.dtype,
+    scale: float,
+    interpret: bool,
+) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """The Mosaic GPU kernel: (lengths, limits, q rows, k, v) -> per-chunk (max, sum, out)."""
+    num_chunks = s // chunk
+    tiled = _smem_transforms(dtype)
+
+    def body(
+        # Inputs (GMEM).
+        lengths_gmem,  # int32[B]
+        limit_gmem,  # int32[B, K, P]
+        q_gmem,  # [B, K, P, H]
+        k_gmem,  # [B, S, K, H]
+        v_gmem,  # [B, S, K, H]
+        # Outputs (GMEM), one slot per chunk; skipped chunks are left unwritten.
+        max_gmem,  # f32[B, K, C, P]
+        sum_gmem,  # f32[B, K, C, P]
+        out_gmem,  # f32[B, K, C, P, H]
+        # Scratch (SMEM).
+        q_smem,  # [R, H]
+        k_smem,  # [L, H]
+        v_smem,  # [L, H]
+        p_smem,  # [R, L] probabilities in the value dtype, the PV product's A operand
+        limit_smem,  # int32[R]
+        stat_smem,  # f32[2, R] row max and row sum, staged for the copy out
+        out_smem,  # f32[R, H]
+        kt_smem,  # [H, L] K^T, interpret mode only (else None)
+        barriers,  # 4 TMA barriers: q, limits, k, v
+    ):
+        row, head, c = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("c")
+        start = c * chunk
+
+        @pl.when(start < lengths_gmem[row])
+        def _visible_chunk():
+            keys = pl.ds(start, chunk)
+            mine = pl.ds(0, rows_written)
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem.at[mine], barriers.at[0])
+            plgpu.copy_gmem_to_smem(limit_gmem.at[row, head], limit_smem.at[mine], barriers.at[1])
+            plgpu.copy_gmem_to_smem(k_gmem.at[row, keys, head], k_smem, barriers.at[2])
+            plgpu.copy_gmem_to_smem(v_gmem.at[row, keys, head], v_smem, barriers.at[3])
+            for ready in range(3):
+                plgpu.barrier_wait(barriers.at[ready])
+
+            def qk(acc):
+                plgpu.wgmma(acc, q_smem, _transposed_keys(k_smem, kt_smem, interpret))
+                return acc[...]
+
+            scores = pl.run_scoped(qk, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
+            key_ids = _iota((ROWS, chunk), 1, interpret) + start
+            limit = _with_layout(limit_smem[...], plgpu.Layout.WGMMA.reduce(1), interpret)
+            visible = key_ids < lax.broadcast_in_dim(limit, (ROWS, chunk), [0])
+            scores = jnp.where(visible, scores, _MASKED)
+            row_max = scores.max(axis=1)
+            probs = jnp.exp(scores - lax.broadcast_in_dim(row_max, scores.shape, [0]))
+            p_smem[...] = probs.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(barriers.at[3])
+
+            def pv(acc):
+                plgpu.wgmma(acc, p_smem, v_smem)
+                return acc[...]
+
+            out_smem[...] = pl.run_scoped(pv, plgpu.ACC((ROWS, h), jnp.float32))
+            stat_smem[0] = row_max
+            stat_smem[1] = probs.sum(axis=1)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stat_smem.at[0, mine], max_gmem.at[row, head, c])
+            plgpu.copy_smem_to_gmem(stat_smem.at[1, mine], sum_gmem.at[row, head, c])
+            plgpu.copy_smem_to_gmem(out_smem.at[mine], out_gmem.at[row, head, c])
+            plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((ROWS, h), dtype, transforms=tiled),
+        plgpu.SMEM((chunk, h), dtype, transforms=tiled),
+        plgpu.SMEM((chunk, h), dtype, transforms=tiled),
+        plgpu.SMEM((ROWS, chunk), dtype, transforms=tiled),
+        plgpu.SMEM((ROWS,), jnp.int32),
+        plgpu.SMEM((2, ROWS), jnp.float32),
+        plgpu.SMEM((ROWS, h), jnp.float32),
+        plgpu.SMEM((h, chunk), dtype) if interpret else None,
+        plgpu.Barrier(num_barriers=4),
+    ]
+    stats = jax.ShapeDtypeStruct((b, kv_heads, num_chunks, rows_written), jnp.float32)
+    return plgpu.kernel(
+        body,
+        out_type=(
+            stats,
+            stats,
+            jax.ShapeDtypeStruct((b, kv_heads, num_chunks, rows_written, h), jnp.float32),
+        ),
+        scratch_types=scratch,
+        grid=(b, kv_heads, num_chunks),
+        grid_names=("b", "k", "c"),
+        interpret=_interpret_params() if interpret else None,
+    )
+
+
+def _merge_chunks(
+    row_max: jax.Array, row_sum: jax.Array, out: jax.Array, key_lengths: jax.Array, chunk: int
+) -> jax.Array:
+    """Log-sum-exp merge of the chunks' partial results over the chunks that ran.
+
+    row_max, row_sum f32[B,K,C,P]; out f32[B,K,C,P,H] -> f32[B,K,P,H]. Skipped chunks hold
+    whatever the output buffer held (never written), so they are selected away, not scaled.
+    """
+    ran = (jnp.arange(row_max.shape[2]) * chunk < key_lengths[:, None])[:, None, :, None]
+    row_max = jnp.where(ran, row_max, -jnp.inf)
+    top = jnp.max(row_max, axis=2, keepdims=True)
+    weight = jnp.where(ran, jnp.exp(row_max - top), 0.0)  # [B, K, C, P]
+    total = jnp.sum(weight * jnp.where(ran, row_sum, 0.0), axis=2)
+    merged = jnp.sum(weight[..., None] * jnp.where(ran[..., None], out, 0.0), axis=2)
+    return merged / jnp.maximum(total, 1e-30)[..., None]
+
+
+# -------------------------------------------------------------------------------------------
+# Helpers: masks, shared-memory layouts, and the interpreter's differences.
+
+
+def _mask(q: jax.Array, key_lengths: jax.Array, query_positions: jax.Array | None) -> AttentionMask:
+    """The AttentionMask the kernel implements (no positions: every query at its row's end)."""
+    if query_positions is None:
+        last = key_lengths.astype(jnp.int32)[:, None] - 1
+        query_positions = jnp.broadcast_to(last, q.shape[:2])
+        return AttentionMask(query_positions, key_lengths, causal=False)
+    return AttentionMask(query_positions, key_lengths, causal=True)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _smem_transforms(dtype: jnp.dtype) -> tuple:
+    """128-byte swizzled tiles, the layout wgmma reads from shared memory."""
+    columns = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128))
+
+
+def _transposed_keys(k_smem, kt_smem, interpret: bool):
+    """K^T [H, L] as wgmma's B operand: a transposed view on the GPU, a copy in the
+    interpreter (whose wgmma takes no transposed operand)."""
+    if not interpret:
+        return plgpu.transpose_ref(k_smem, (1, 0))
+    kt_smem[...] = k_smem[...].T
+    return kt_smem
+
+
+def _iota(shape: tuple[int, int], dimension: int, interpret: bool) -> jax.Array:
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dimension)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+
+def _with_layout(x: jax.Array, layout, interpret: bool) -> jax.Array:
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+@functools.cache
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
