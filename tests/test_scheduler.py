@@ -7,6 +7,7 @@ its compiles are paid once; the pool-exhaustion test builds a second, deliberate
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +219,58 @@ def test_requests_that_can_never_run_are_refused(engine):
     with pytest.raises(ValueError, match="outside"):
         engine.generate_many([[1, 2], [1, 999]])
     assert not engine.has_unfinished()
+
+
+def test_logprobs_through_the_engine_equal_those_of_generate(engine, tiny_llama):
+    _, model = tiny_llama
+    prompts = [random_prompt(900 + i, 5 + 9 * i) for i in range(3)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+        sj.SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=5, ignore_eos=True),
+        sj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    ]
+    results = engine.generate_many(prompts, params)
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        alone = sj.generate(model, prompt, p)
+        assert result.output_tokens == alone.output_tokens
+        if p.logprobs is None:
+            assert not result.logprobs
+            continue
+        assert [lp.token_id for lp in result.logprobs] == alone.output_tokens
+        for ours, ref in zip(result.logprobs, alone.logprobs, strict=True):
+            assert ours.logprob == pytest.approx(ref.logprob, abs=1e-5)
+            assert list(ours.top) == list(ref.top)
+
+
+def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_path):
+    import copy
+
+    import torch
+    from conftest import HF_BUILDERS, model_from_hf
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    hf = HF_BUILDERS["llama_tied"]().eval()
+    model = model_from_hf(hf)
+    model.enable_lora(max_adapters=2, max_rank=4)
+    for seed, name in enumerate(["a", "b"]):
+        torch.manual_seed(seed)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            init_lora_weights=False,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        )
+        get_peft_model(copy.deepcopy(hf), config).save_pretrained(tmp_path / name)
+        model.add_adapter(name, tmp_path / name)
+    engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16)
+    prompts = [random_prompt(950 + i, 4 + 6 * i) for i in range(4)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, adapter=name)
+        for name in ["a", None, "b", "a"]
+    ]
+    results = engine.generate_many(prompts, params)
+    assert [r.output_tokens for r in results] == solo(model, prompts, params)
+    base = [dataclasses.replace(p, adapter=None) for p in params]
+    assert solo(model, prompts, base) != [r.output_tokens for r in results]  # adapters act
+    assert engine.slots_in_use == 0 and engine.pages_in_use == 0
