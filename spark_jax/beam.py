@@ -1,24 +1,34 @@
-"""Beam search with HF transformers' semantics, the beams of many requests in one batch.
+"""Beam search with HF transformers' semantics, the beams of many requests in one batch, on device.
 
 Each request is a ``BeamRequest`` for an encoder-decoder runner (NLLB): its ``num_beams``
-beams occupy ``num_beams`` rows of one shared cache. Every step decodes all rows of all
-requests as ONE batched forward, whatever their beam counts, source lengths and target
-languages; the device returns the top ``2 * max_beams`` log-probs of each row and the host
-picks candidates per request from those few numbers. Beams are reordered by a gather of cache
-rows on the device. A finished request leaves the batch and its rows go to the next waiting
-request (admitted with a prefill while the others keep decoding). A request's LoRA adapter
-(``BeamRequest.adapter``) is recorded for each of its rows, so requests with different
-adapters share every step; a reused row takes the adapter of its new request.
+beams occupy ``num_beams`` rows of one shared cache, and every step decodes all rows of all
+requests as ONE batched forward, whatever their beam counts, source lengths, target languages
+and LoRA adapters. The whole step runs on the device, several steps per host sync (a jitted
+``lax.while_loop``, like the engine's ``_decode_chunk``): decode → log-softmax → per-request
+top-k over (beams x vocab) → HF's running / finished bookkeeping, vectorised over request
+slots → the gather of each beam's self-attention K/V rows, with the cache donated. The host
+reads one live flag per request slot per chunk, and each finished request's hypotheses once.
 
-The per-request host logic replays ``GenerationMixin._beam_search`` of transformers 5
+Shapes are static per call layout: R request slots (= cache rows, as every request holds at
+least one row), B = the call's widest ``num_beams`` rounded up to a power of two (narrower
+requests mask their extra beams to -inf; beams are not rows, so padding costs no decode
+work), L = the cache length. Per-request knobs (beam count, length penalty, stopping
+rule, max_new, cache rows) are arrays, so different requests never recompile.
+
+The bookkeeping replays ``GenerationMixin._beam_search`` of transformers 5
 (``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
-``_update_finished_beams``, ``_check_early_stop_heuristic``) for one batch item, in float32
-like torch, including its -1e9 penalties. Lengths follow HF with the decoder prompt
-``[decoder_start]``: the forced language token counts, so a hypothesis of n generated tokens
-(EOS included) is scored ``sum_logprobs / (n + 1) ** length_penalty``, and ``max_new`` is HF's
-``max_new_tokens`` minus one. The forced step itself is not searched: HF's forced-BOS processor
-leaves beam 0 alone at score 0 (the other beams at -1e9 never reach the top 2 * num_beams),
-which is exactly the prefill's single row.
+``_update_finished_beams``, ``_check_early_stop_heuristic``) per request, in float32 like
+torch, including its -1e9 penalties; ties go to the lower index like the stable sorts the
+host version used. Lengths follow HF with the decoder prompt ``[decoder_start]``: the forced
+language token counts, so a hypothesis of n generated tokens (EOS included) is scored
+``sum_logprobs / (n + 1) ** length_penalty``, and ``max_new`` is HF's ``max_new_tokens`` minus
+one. The forced step itself is not searched: HF's forced-BOS processor leaves beam 0 alone at
+score 0 (the other beams at -1e9 never reach the top 2 * num_beams), which is exactly the
+prefill's single row.
+
+Scheduling stays on the host: a request waits, in order, until enough rows are free; then it
+is prefilled into one row, and its first search step fans that row out (cross K/V included)
+to all its beams. A request's LoRA adapter is recorded for each of its rows.
 
 Errors: every request is checked before any device work; one invalid request fails the whole
 call with a ValueError naming its index, and no request of that call is run.
@@ -26,9 +36,10 @@ call with a ValueError naming its index, and no request of that call is run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -40,6 +51,7 @@ from spark_jax.models.common import bucket
 
 _PENALTY = np.float32(-1.0e9)  # HF's "never pick this" offset, in the same float32 arithmetic
 _DEFAULT_MAX_ROWS = 256
+_STEPS_PER_SYNC = 8  # search steps per device call; a finished request ends a call early
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,102 @@ class BeamResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# Device side: the only per-step copy to the host is [rows, 2 * max_beams] log-probs and ids.
+# Device state. R request slots, B beams per slot (the call's widest, bucketed), L positions,
+# K = keep * B candidates per slot (HF keeps max(2, 1 + #eos) * num_beams).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """Each request slot's fixed settings, written by the host when a request is admitted."""
+
+    rows: jax.Array  # int32[R, B]: the cache row of each beam (0 past num_beams: never written)
+    num_beams: jax.Array  # int32[R]
+    max_length: jax.Array  # int32[R]: HF's max_length, max_new + 2
+    early_true: jax.Array  # bool[R]: early_stopping is True
+    best_len: jax.Array  # int32[R]: HF's fixed best hypothetical length ("never", lp > 0), or 0
+    denom: jax.Array  # float32[R, L + 1]: length ** length_penalty, computed like Python's
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """HF's beam-search tensors for every request slot (beams past num_beams: -inf, unused)."""
+
+    slots: _Slots
+    cur_len: jax.Array  # int32[R]: HF's decoder length, 2 after the forced language token
+    running_scores: jax.Array  # float32[R, B]: summed log-probs of the running beams
+    finished_tokens: jax.Array  # int32[R, B, L]: finished hypotheses, best first
+    finished_lengths: jax.Array  # int32[R, B]
+    finished_scores: jax.Array  # float32[R, B]: length-penalised
+    is_finished: jax.Array  # bool[R, B]
+    improvable: jax.Array  # bool[R]: HF's is_early_stop_heuristic_unsatisfied
+    live: jax.Array  # bool[R]: the slot holds a request still searching
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+    """What one search step hands the next: the cache, the rows' next inputs, the search."""
+
+    cache: Any  # the runner's state (rows of an EncoderDecoderCache)
+    tokens: jax.Array  # int32[rows]: each row's next decoder input
+    active: jax.Array  # bool[rows]: rows whose beam is still running
+    sequences: jax.Array  # int32[rows, L]: each row's running beam, generated tokens
+    search: _Search
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Top:
+    """HF's top-K continuations of each request, best first: [R, K]."""
+
+    scores: jax.Array  # float32: running score + next-token log-prob
+    beams: jax.Array  # int32: the beam each continues
+    tokens: jax.Array  # int32: the next token
+    valid: jax.Array  # bool: within the request's keep * num_beams
+
+
+def _beam_mask(slots: _Slots) -> jax.Array:
+    """bool[R, B]: the beams a request has."""
+    return jnp.arange(slots.rows.shape[1]) < slots.num_beams[:, None]
+
+
+def _take(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[r, index[r, ...]] along axis 1."""
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def _penalty(flag: jax.Array) -> jax.Array:
+    """HF's ``flag.to(float32) * -1e9``: adding it leaves a score unchanged where flag is False."""
+    return flag.astype(jnp.float32) * _PENALTY
+
+
+def _select(mask: jax.Array, new: Any, old: Any) -> Any:
+    """Per request slot, ``new`` where mask[R] is True, else ``old`` (every leaf is [R, ...])."""
+    pick = lambda n, o: jnp.where(mask.reshape(mask.shape + (1,) * (n.ndim - 1)), n, o)
+    return jax.tree.map(pick, new, old)
+
+
+def _initial_search(slots: _Slots, length: int) -> _Search:
+    """HF's state before the first step: beam 0 alone at score 0, finished scores at -1e9."""
+    r, b = slots.rows.shape
+    beams = _beam_mask(slots)
+    return _Search(
+        slots=slots,
+        cur_len=jnp.full((r,), 2, jnp.int32),
+        running_scores=jnp.where(jnp.arange(b) == 0, 0.0, -jnp.inf) + jnp.zeros((r, 1)),
+        finished_tokens=jnp.zeros((r, b, length), jnp.int32),
+        finished_lengths=jnp.zeros((r, b), jnp.int32),
+        finished_scores=jnp.where(beams, _PENALTY, -jnp.inf).astype(jnp.float32),
+        is_finished=jnp.zeros((r, b), bool),
+        improvable=jnp.ones((r,), bool),
+        live=jnp.ones((r,), bool),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# One HF iteration, vectorised over request slots.
 
 
 @partial(jax.jit, static_argnames=("k",))
@@ -93,97 +200,195 @@ def _top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
 
 
+def _continuations(s: _Search, values: jax.Array, ids: jax.Array, keep: int) -> _Top:
+    """HF's ``_get_top_k_continuations``: per request, the best keep * n of (beams x vocab).
+
+    ``values``/``ids`` [rows, W >= keep * B] hold each row's top log-probs. Any of a request's
+    top k is within its own row's top k, so sorting these few candidates gives the full top k.
+    Columns past k are dropped so a row contributes what the vocabulary-wide top-k would see.
+    Ties go to the lower (beam, token): torch's order over beam * V + token.
+    """
+    r, b = s.slots.rows.shape
+    k = keep * s.slots.num_beams
+    scores = values[s.slots.rows] + s.running_scores[:, :, None]  # [R, B, W]
+    scores = jnp.where(jnp.arange(values.shape[1]) < k[:, None, None], scores, -jnp.inf)
+    beams = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[None, :, None], scores.shape)
+    flat = lambda x: x.reshape(r, -1)
+    keys = (-flat(scores), flat(beams), flat(ids[s.slots.rows]))
+    neg_scores, beams, tokens = jax.lax.sort(keys, dimension=1, num_keys=3)
+    width = keep * b
+    valid = jnp.arange(width) < k[:, None]
+    return _Top(-neg_scores[:, :width], beams[:, :width], tokens[:, :width], valid)
+
+
+def _next_running(s: _Search, top: _Top, hits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HF's ``_get_running_beams_for_next_iteration``: the best n candidates that did not stop.
+
+    Returns the new running scores [R, B] and each new beam's parent beam and token.
+    """
+    b = s.slots.rows.shape[1]
+    scores = jnp.where(top.valid, top.scores + _penalty(hits), -jnp.inf)
+    order = jnp.argsort(-scores, axis=1, stable=True)[:, :b]
+    running = jnp.where(_beam_mask(s.slots), _take(scores, order), -jnp.inf)
+    return running, _take(top.beams, order), _take(top.tokens, order)
+
+
+def _merge_finished(
+    s: _Search, top: _Top, hits: jax.Array, sequences: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """HF's ``_update_finished_beams``: stopped candidates among the top n join the finished.
+
+    ``sequences`` [rows, L] are the running beams before this step's token. Returns the
+    finished tokens, lengths, scores and flags, best first.
+    """
+    b = s.slots.rows.shape[1]
+    beams = _beam_mask(s.slots)
+    just = hits & (jnp.arange(hits.shape[1]) < s.slots.num_beams[:, None])
+    scores = top.scores / _take(s.slots.denom, s.cur_len[:, None])  # cur_len + 1 - prompt 1
+    full = jnp.all(s.is_finished | ~beams, axis=1) & s.slots.early_true
+    scores = scores + _penalty(full)[:, None]
+    scores = scores + _penalty(~s.improvable)[:, None]
+    scores = jnp.where(top.valid, scores + _penalty(~just), -jnp.inf)
+    # The candidates' sequences: the parent's running tokens plus this step's token.
+    position = (s.cur_len - 2)[:, None, None]
+    parents = sequences[_take(s.slots.rows, top.beams)]  # [R, K, L]
+    length = sequences.shape[1]
+    candidates = jnp.where(jnp.arange(length) == position, top.tokens[:, :, None], parents)
+    merged_scores = jnp.concatenate([jnp.where(beams, s.finished_scores, -jnp.inf), scores], 1)
+    best = jnp.argsort(-merged_scores, axis=1, stable=True)[:, :b]
+    merged_tokens = jnp.concatenate([s.finished_tokens, candidates], axis=1)
+    new_lengths = jnp.broadcast_to(s.cur_len[:, None] - 1, just.shape)
+    return (
+        _take(merged_tokens, best[:, :, None]),
+        _take(jnp.concatenate([s.finished_lengths, new_lengths], 1), best),
+        _take(merged_scores, best),
+        _take(jnp.concatenate([s.is_finished, just], 1), best) & beams,
+    )
+
+
+def _still_improvable(
+    s: _Search, running: jax.Array, finished_scores: jax.Array, is_finished: jax.Array
+) -> jax.Array:
+    """HF's ``_check_early_stop_heuristic`` after the step (cur_len already advanced)."""
+    beams = _beam_mask(s.slots)
+    cur_len = s.cur_len + 1
+    best_len = jnp.where(s.slots.best_len > 0, s.slots.best_len, cur_len - 1)
+    best_possible = running[:, :1] / _take(s.slots.denom, best_len[:, None])
+    worst = jnp.min(jnp.where(beams, finished_scores, jnp.inf), axis=1, keepdims=True)
+    worst = jnp.where(is_finished, worst, _PENALTY)
+    return s.improvable & jnp.any(beams & (best_possible > worst), axis=1)
+
+
+def _advance(
+    s: _Search, sequences: jax.Array, values: jax.Array, ids: jax.Array, eos: jax.Array
+) -> tuple[_Search, jax.Array, jax.Array]:
+    """One HF iteration for every slot; returns the search and each new beam's (parent, token)."""
+    keep = max(2, 1 + eos.shape[0])
+    top = _continuations(s, values, ids, keep)
+    is_eos = jnp.any(top.tokens[:, :, None] == eos, axis=-1)
+    hits = is_eos | (s.cur_len + 1 >= s.slots.max_length)[:, None]
+    running, parents, tokens = _next_running(s, top, hits)
+    finished_tokens, finished_lengths, finished_scores, is_finished = _merge_finished(
+        s, top, hits, sequences
+    )
+    improvable = _still_improvable(s, running, finished_scores, is_finished)
+    all_full = jnp.all(is_finished | ~_beam_mask(s.slots), axis=1) & s.slots.early_true
+    done = ~improvable | all_full | jnp.all(hits | ~top.valid, axis=1)
+    search = dataclasses.replace(
+        s,
+        cur_len=s.cur_len + 1,
+        running_scores=running,
+        finished_tokens=finished_tokens,
+        finished_lengths=finished_lengths,
+        finished_scores=finished_scores,
+        is_finished=is_finished,
+        improvable=improvable,
+        live=s.live & ~done,
+    )
+    return search, parents, tokens
+
+
+def _step(
+    c: _Carry, values: jax.Array, ids: jax.Array, eos: jax.Array, mask: jax.Array, cross: bool
+) -> _Carry:
+    """Advances the slots of ``mask`` from their rows' top log-probs and reorders their rows.
+
+    Row ``rows[r, b]`` becomes a copy of its new parent's row (``cross``: cross K/V too, for
+    a request's first step, which fans its one prefilled row out to all its beams).
+    """
+    s = c.search
+    search, parents, tokens = _advance(s, c.sequences, values, ids, eos)
+    search = _select(mask, search, s)
+    num_rows = c.tokens.shape[0]
+    moving = mask[:, None] & _beam_mask(s.slots)
+    target = jnp.where(moving, s.slots.rows, num_rows)  # out of range: dropped by every write
+    source = jnp.arange(num_rows).at[target].set(_take(s.slots.rows, parents), mode="drop")
+    position = jnp.broadcast_to((s.cur_len - 2)[:, None], target.shape)
+    running = jnp.broadcast_to(search.live[:, None], target.shape)
+    return _Carry(
+        cache=c.cache.gather_rows(source, cross),
+        tokens=c.tokens.at[target].set(tokens, mode="drop"),
+        active=c.active.at[target].set(running, mode="drop"),
+        sequences=c.sequences[source].at[target, position].set(tokens, mode="drop"),
+        search=search,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# Host side: one request's search state, advanced one HF iteration at a time.
+# The two device entry points: a request's first step, and a chunk of steps for all.
 
 
-@dataclass
-class _Search:
-    index: int
-    request: BeamRequest
-    rows: list[int]  # cache row of beam b
-    eos: frozenset[int]
-    adapter: int = -1  # LoRA pool slot of every beam of this request (-1: the base model)
-    cur_len: int = 2  # HF's decoder length: [decoder_start, forced_bos]
-    running: list[list[int]] = field(default_factory=lambda: [[]])  # beam 0 alone at first
-    running_scores: np.ndarray = field(default_factory=lambda: np.zeros(1, np.float32))
-    finished: list[list[int]] = field(default_factory=list)
-    finished_scores: np.ndarray | None = None
-    is_finished: np.ndarray | None = None
-    improvable: bool = True  # HF's is_early_stop_heuristic_unsatisfied
-    done: bool = False
+@partial(jax.jit, donate_argnames=("carry",))
+def _start(
+    carry: _Carry,
+    values: jax.Array,
+    ids: jax.Array,
+    eos: jax.Array,
+    slots: _Slots,
+    fresh: jax.Array,
+) -> _Carry:
+    """The first step of the slots ``fresh`` [R] from their prefill top log-probs [rows, W]."""
+    initial = _initial_search(slots, carry.sequences.shape[1])
+    search = _select(fresh, initial, dataclasses.replace(carry.search, slots=slots))
+    return _step(dataclasses.replace(carry, search=search), values, ids, eos, fresh, cross=True)
 
-    def __post_init__(self) -> None:
-        n = self.request.num_beams
-        self.finished = [[] for _ in range(n)]
-        self.finished_scores = np.full(n, _PENALTY, np.float32)
-        self.is_finished = np.zeros(n, bool)
 
-    @property
-    def max_length(self) -> int:
-        return self.request.max_new + 2
+@partial(jax.jit, static_argnames=("decode_fn", "num_steps"), donate_argnames=("carry",))
+def _search_chunk(
+    decode_fn: Any,
+    params: Any,
+    lora: Any,
+    carry: _Carry,
+    eos: jax.Array,
+    stop_on_finish: jax.Array,
+    num_steps: int,
+) -> tuple[_Carry, jax.Array]:
+    """Up to ``num_steps`` steps of every live request: decode, top-k, bookkeeping, reorder.
 
-    def step(self, values: np.ndarray, ids: np.ndarray) -> list[tuple[int, int]]:
-        """One beam-search iteration from the top log-probs [beams, >= 2n] of each running beam.
+    Stops early when no request is live, or (``stop_on_finish``, when requests wait for rows)
+    once one finishes. Returns the carry and a copy of the live flags for the host to read.
+    """
+    width = max(2, 1 + eos.shape[0]) * carry.search.slots.rows.shape[1]
+    entry = carry.search.live
 
-        Returns the next running beams as (parent beam, token); empty once the search is done.
-        """
-        r, n = self.request, self.request.num_beams
-        k = 2 * n
-        # c. top-2n continuations over all beams, ordered like torch.topk over beam * V + token
-        scores = (values[:, :k] + self.running_scores[:, None]).astype(np.float32)
-        beams = np.broadcast_to(np.arange(len(scores))[:, None], scores.shape)
-        order = np.lexsort((ids[:, :k].ravel(), beams.ravel(), -scores.ravel()))[:k]
-        top_scores, top_beams = scores.ravel()[order], beams.ravel()[order]
-        top_tokens = ids[:, :k].ravel()[order]
-        top_seqs = [self.running[b] + [int(t)] for b, t in zip(top_beams, top_tokens, strict=True)]
-        # d. stopping criteria: EOS, or the maximum length reached
-        hits = np.isin(top_tokens, list(self.eos)) | (self.cur_len + 1 >= self.max_length)
-        # e. the best n candidates that did not stop keep running
-        running_scores = top_scores + hits.astype(np.float32) * _PENALTY
-        keep = np.argsort(-running_scores, kind="stable")[:n]
-        self.running = [top_seqs[i] for i in keep]
-        self.running_scores = running_scores[keep]
-        parents = [(int(top_beams[i]), int(top_tokens[i])) for i in keep]
-        # f. stopped candidates among the top n join the finished hypotheses if good enough
-        just_finished = hits & (np.arange(k) < n)
-        length = np.float32((self.cur_len + 1 - 1) ** r.length_penalty)
-        finished_scores = top_scores / length
-        if self.is_finished.all() and r.early_stopping is True:
-            finished_scores = finished_scores + _PENALTY
-        if not self.improvable:
-            finished_scores = finished_scores + _PENALTY
-        finished_scores = finished_scores + (~just_finished).astype(np.float32) * _PENALTY
-        merged_scores = np.concatenate([self.finished_scores, finished_scores])
-        merged_seqs = self.finished + top_seqs
-        merged_flags = np.concatenate([self.is_finished, just_finished])
-        best = np.argsort(-merged_scores, kind="stable")[:n]
-        self.finished = [merged_seqs[i] for i in best]
-        self.finished_scores = merged_scores[best]
-        self.is_finished = merged_flags[best]
-        # g. can the running beams still beat the worst finished hypothesis?
-        self.cur_len += 1
-        if r.early_stopping == "never" and r.length_penalty > 0.0:
-            best_length = self.max_length - 1
-        else:
-            best_length = self.cur_len - 1
-        best_possible = self.running_scores[0] / np.float32(best_length**r.length_penalty)
-        worst = np.where(self.is_finished, self.finished_scores.min(), _PENALTY)
-        self.improvable = self.improvable and bool(np.any(best_possible > worst))
-        all_full = bool(self.is_finished.all()) and r.early_stopping is True
-        self.done = not self.improvable or all_full or bool(hits.all())
-        return [] if self.done else parents
+    def cond(loop: tuple[int, _Carry]) -> jax.Array:
+        i, c = loop
+        finished = stop_on_finish & jnp.any(entry & ~c.search.live)
+        return (i < num_steps) & jnp.any(c.search.live) & ~finished
 
-    def result(self) -> BeamResult:
-        m = self.request.num_return_sequences
-        return BeamResult(
-            sequences=[list(s) for s in self.finished[:m]],
-            scores=[float(s) for s in self.finished_scores[:m]],
-        )
+    def body(loop: tuple[int, _Carry]) -> tuple[int, _Carry]:
+        i, c = loop
+        logits, cache = decode_fn(params, c.tokens, c.active, c.cache, lora)
+        values, ids = _top_log_probs(logits, width)
+        c = dataclasses.replace(c, cache=cache)
+        return i + 1, _step(c, values, ids, eos, c.search.live, cross=False)
+
+    _, carry = jax.lax.while_loop(cond, body, (0, carry))
+    return carry, carry.search.live.astype(jnp.int8)  # its own buffer: the carry is donated
 
 
 # ---------------------------------------------------------------------------------------------
-# The co-batched driver.
+# Host side: validation, the call's layout, admission of waiting requests, results.
 
 
 def _as_runner(model_or_runner: Any) -> Any:
@@ -221,6 +426,158 @@ def _check(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
     return adapters
 
 
+class _SlotTable:
+    """The host's copy of every slot's ``_Slots`` settings (numpy, uploaded at admission)."""
+
+    def __init__(self, num_slots: int, beams: int, length: int):
+        self.rows = np.zeros((num_slots, beams), np.int32)
+        self.num_beams = np.ones(num_slots, np.int32)
+        self.max_length = np.full(num_slots, 3, np.int32)
+        self.early_true = np.zeros(num_slots, bool)
+        self.best_len = np.zeros(num_slots, np.int32)
+        self.denom = np.ones((num_slots, length + 1), np.float32)
+
+    def set(self, slot: int, rows: Sequence[int], request: BeamRequest) -> None:
+        self.rows[slot] = 0
+        self.rows[slot, : len(rows)] = rows
+        self.num_beams[slot] = request.num_beams
+        self.max_length[slot] = request.max_new + 2
+        self.early_true[slot] = request.early_stopping is True
+        never = request.early_stopping == "never" and request.length_penalty > 0.0
+        self.best_len[slot] = request.max_new + 1 if never else 0
+        # HF divides float32 scores by a Python float (int ** float, in double) cast to float32.
+        lengths = range(self.denom.shape[1])
+        self.denom[slot] = [float(max(n, 1)) ** request.length_penalty for n in lengths]
+
+    def device(self) -> _Slots:
+        fields = (self.rows, self.num_beams, self.max_length, self.early_true, self.best_len)
+        return _Slots(*(jnp.asarray(f) for f in fields), jnp.asarray(self.denom))
+
+
+def _idle_search(table: _SlotTable, length: int) -> _Search:
+    """Every slot free (not live); the other fields are placeholders until a slot's start.
+
+    Built in numpy: device-side constructors would each compile a small program per shape.
+    """
+    r, b = table.rows.shape
+    zeros = lambda shape, dtype: jnp.asarray(np.zeros(shape, dtype))
+    return _Search(
+        slots=table.device(),
+        cur_len=zeros(r, np.int32),
+        running_scores=zeros((r, b), np.float32),
+        finished_tokens=zeros((r, b, length), np.int32),
+        finished_lengths=zeros((r, b), np.int32),
+        finished_scores=zeros((r, b), np.float32),
+        is_finished=zeros((r, b), bool),
+        improvable=zeros(r, bool),
+        live=zeros(r, bool),
+    )
+
+
+class _Call:
+    """The host side of one ``generate_beam`` call: rows, request slots, waiting requests."""
+
+    def __init__(
+        self, runner: Any, requests: list[BeamRequest], adapters: list[int], max_rows: int | None
+    ):
+        self.runner, self.requests, self.adapters = runner, requests, adapters
+        self.use_lora = getattr(runner, "lora_pool", None) is not None
+        self.eos = jnp.asarray(sorted(set(runner.eos_token_ids)), jnp.int32)
+        widest = max(r.num_beams for r in requests)
+        beams = bucket(widest, minimum=1)  # padded beams are masked: fewer distinct compiles
+        self.width = max(2, 1 + self.eos.shape[0]) * beams
+        rows = bucket(sum(r.num_beams for r in requests), minimum=8)
+        rows = max(min(rows, max_rows or _DEFAULT_MAX_ROWS), widest)
+        length = bucket(max(r.max_new for r in requests) + 2)
+        state = runner.init_state(rows, length, max(len(r.prompt_tokens) for r in requests))
+        # Every request holds at least one row, so rows request slots always suffice.
+        self.table = _SlotTable(rows, beams, length)
+        self.carry = _Carry(
+            cache=state,
+            tokens=jnp.asarray(np.zeros(rows, np.int32)),
+            active=jnp.asarray(np.zeros(rows, bool)),
+            sequences=jnp.asarray(np.zeros((rows, length), np.int32)),
+            search=_idle_search(self.table, length),
+        )
+        self.pending = deque(enumerate(requests))
+        self.free_rows = list(range(rows))[::-1]
+        self.free_slots = list(range(rows))[::-1]
+        self.searching: dict[int, tuple[int, list[int]]] = {}  # slot -> (request, rows)
+        self.finished: dict[int, tuple[int, list[int]]] = {}  # done, not yet read back
+        self.results: list[BeamResult | None] = [None] * len(requests)
+        self.row_adapters = np.full(rows, -1, np.int32)
+        self.lora = runner.lora_input(self.row_adapters) if self.use_lora else None
+
+    def dispatch(self) -> jax.Array:
+        """Starts a chunk of search steps; returns its live flags (int8[R]), still on device."""
+        self.carry, live = _search_chunk(
+            self.runner.decode_fn,
+            self.runner.params,
+            self.lora,
+            self.carry,
+            self.eos,
+            np.bool_(bool(self.pending)),
+            num_steps=_STEPS_PER_SYNC,
+        )
+        return live
+
+    def retire(self, live: np.ndarray) -> None:
+        """Moves the slots that stopped searching to ``finished`` (read back lazily)."""
+        for slot in [s for s in self.searching if not live[s]]:
+            self.finished[slot] = self.searching.pop(slot)
+
+    def collect(self) -> None:
+        """Reads the hypotheses of finished slots and frees their rows and slots."""
+        if not self.finished:
+            return
+        s = self.carry.search
+        tokens, lengths, scores = jax.device_get(
+            (s.finished_tokens, s.finished_lengths, s.finished_scores)
+        )
+        for slot, (index, rows) in self.finished.items():
+            m = self.requests[index].num_return_sequences
+            self.results[index] = BeamResult(
+                sequences=[tokens[slot, j, : lengths[slot, j]].tolist() for j in range(m)],
+                scores=[float(x) for x in scores[slot, :m]],
+            )
+            self.free_rows.extend(rows)
+            self.free_slots.append(slot)
+        self.finished.clear()
+
+    def admit(self) -> None:
+        """Prefills the waiting requests that fit, in order, and runs their first step."""
+        self.collect()
+        admitted = []
+        while self.pending and self.pending[0][1].num_beams <= len(self.free_rows):
+            index, request = self.pending.popleft()
+            slot = self.free_slots.pop()
+            rows = [self.free_rows.pop() for _ in range(request.num_beams)]
+            self.row_adapters[rows] = self.adapters[index]
+            self.table.set(slot, rows, request)
+            self.searching[slot] = (index, rows)
+            admitted.append((slot, index, rows))
+        if admitted:
+            self._prefill_and_start(admitted)
+
+    def _prefill_and_start(self, admitted: list[tuple[int, int, list[int]]]) -> None:
+        first_rows = [rows[0] for _, _, rows in admitted]
+        requests = [self.requests[index] for _, index, _ in admitted]
+        lora = {"adapters": [self.adapters[i] for _, i, _ in admitted]} if self.use_lora else {}
+        prompts = [r.prompt_tokens for r in requests]
+        logits, state = self.runner.prefill(self.carry.cache, first_rows, prompts, requests, **lora)
+        # The prefill's top log-probs go to each request's first row: a fixed [rows, W] shape,
+        # so the first step compiles once whatever the number of admitted requests.
+        top_values, top_ids = jax.device_get(_top_log_probs(logits, self.width))
+        values = np.full((len(self.row_adapters), self.width), -np.inf, np.float32)
+        ids = np.zeros(values.shape, np.int32)
+        values[first_rows], ids[first_rows] = top_values, top_ids
+        fresh = np.zeros(len(self.row_adapters), bool)  # one slot per row
+        fresh[[slot for slot, _, _ in admitted]] = True
+        carry = dataclasses.replace(self.carry, cache=state)
+        self.carry = _start(carry, values, ids, self.eos, self.table.device(), fresh)
+        self.lora = self.runner.lora_input(self.row_adapters) if self.use_lora else None
+
+
 def generate_beam(
     model_or_runner: Any, requests: Sequence[BeamRequest], max_rows: int | None = None
 ) -> list[BeamResult]:
@@ -233,74 +590,19 @@ def generate_beam(
     requests = list(requests)
     if not requests:
         return []
-    adapter_of = _check(runner, requests)
-    # Adapters go to the runner only when a pool exists, so plain models keep one compile.
-    use_lora = getattr(runner, "lora_pool", None) is not None
-    eos = frozenset(runner.eos_token_ids)
-    widest = max(r.num_beams for r in requests)
-    width = 2 * widest
-    rows = bucket(sum(r.num_beams for r in requests), minimum=8)
-    rows = max(min(rows, max_rows or _DEFAULT_MAX_ROWS), widest)
-    max_len = bucket(max(r.max_new for r in requests) + 2)
-    state = runner.init_state(rows, max_len, max(len(r.prompt_tokens) for r in requests))
-
-    pending = deque(enumerate(requests))
-    free = list(range(rows))[::-1]
-    results: list[BeamResult | None] = [None] * len(requests)
-    top: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # request index -> (values, ids)
-    active_searches: list[_Search] = []
-    tokens = np.zeros(rows, np.int32)
-    row_adapters = np.full(rows, -1, np.int32)  # each cache row's adapter, set at admission
-
-    def admit() -> None:
-        nonlocal state
-        admitted = []
-        while pending and pending[0][1].num_beams <= len(free):
-            index, request = pending.popleft()
-            taken = [free.pop() for _ in range(request.num_beams)]
-            row_adapters[taken] = adapter_of[index]
-            admitted.append(_Search(index, request, taken, eos, adapter_of[index]))
-        if not admitted:
-            return
-        slots = [s.rows[0] for s in admitted]
-        prompts = [s.request.prompt_tokens for s in admitted]
-        lora = {"adapters": [s.adapter for s in admitted]} if use_lora else {}
-        logits, state = runner.prefill(state, slots, prompts, [s.request for s in admitted], **lora)
-        values, ids = jax.device_get(_top_log_probs(logits, width))
-        for i, search in enumerate(admitted):
-            top[search.index] = (values[i : i + 1], ids[i : i + 1])
-        active_searches.extend(admitted)
-
-    admit()
-    while active_searches:
-        source_rows = np.arange(rows, dtype=np.int32)
-        active = np.zeros(rows, bool)
-        first_steps = False
-        for search in list(active_searches):
-            values, ids = top.pop(search.index)
-            first_steps |= search.cur_len == 2
-            parents = search.step(values, ids)
-            if search.done:
-                results[search.index] = search.result()
-                active_searches.remove(search)
-                free.extend(search.rows)
-                continue
-            for beam, (parent, token) in enumerate(parents):
-                source_rows[search.rows[beam]] = search.rows[parent]
-                tokens[search.rows[beam]] = token
-                active[search.rows[beam]] = True
-        if not active_searches and not pending:
+    call = _Call(runner, requests, _check(runner, requests), max_rows)
+    call.admit()
+    flags = call.dispatch()
+    while True:
+        # With nobody waiting, the next chunk is queued before this one's flags are read, so
+        # the device never waits for the host; a chunk with no live request returns at once.
+        ahead = None if call.pending else call.dispatch()
+        call.retire(np.asarray(flags))
+        if not call.searching and not call.pending:
             break
-        # A request's first step fans its one prefilled row out to all its beams: the cross
-        # K/V move too. Later steps reorder within a request, whose beams share the source.
-        state = runner.reorder_rows(state, jnp.asarray(source_rows), first_steps)
-        admit()
-        if active.any():
-            lora = {"adapters": row_adapters.copy()} if use_lora else {}
-            logits, state = runner.decode(state, jnp.asarray(tokens), jnp.asarray(active), **lora)
-            values, ids = jax.device_get(_top_log_probs(logits, width))
-            for search in active_searches:
-                if search.index not in top:
-                    beam_rows = search.rows[: len(search.running)]
-                    top[search.index] = (values[beam_rows], ids[beam_rows])
-    return results
+        if ahead is None:
+            call.admit()
+            ahead = call.dispatch()
+        flags = ahead
+    call.collect()
+    return call.results

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from spark_jax import beam
 from spark_jax.beam import BeamRequest, generate_beam
 
 MAX_NEW = 20
@@ -152,3 +153,35 @@ def test_one_bad_request_fails_the_whole_call_naming_it(runner):
         generate_beam(runner, [good, BeamRequest(good.prompt_tokens, tgt_lang="xx_Latn")])
     with pytest.raises(ValueError, match="request 0: the source is empty"):
         generate_beam(runner, [BeamRequest([]), good])
+
+
+def _layout_requests(rng: np.random.Generator, count: int, call: int) -> list[BeamRequest]:
+    """Requests that differ in every knob but share one layout: 4 beams at most, max_new <= 14
+    (cache 16), sources of 17-32 tokens (bucket 32)."""
+    return [
+        BeamRequest(
+            nf.random_source(rng, int(rng.integers(17, 33))),
+            tgt_lang=["fra_Latn", "deu_Latn", None][(call + i) % 3],
+            num_beams=[3, 4][(call + i) % 2],
+            max_new=int(rng.integers(6, 15)),
+            length_penalty=[0.6, 1.0, 1.3][(call + i) % 3],
+            early_stopping=[True, False, "never"][(call * 2 + i) % 3],
+            num_return_sequences=1 + (call + i) % 3,
+        )
+        for i in range(count)
+    ]
+
+
+def test_the_device_search_loop_compiles_once_per_layout(runner):
+    """Calls with different requests, one (rows, beams, max_new, source) bucket: one compile of
+    the search loop and one of the first step, whatever the knobs and admission waves."""
+    beam._search_chunk.clear_cache()
+    beam._start.clear_cache()
+    rng = np.random.default_rng(15)
+    for call in range(3):  # 4 requests of 3-4 beams: 16 rows, all admitted at once
+        generate_beam(runner, _layout_requests(rng, 4, call))
+    # 7 requests for 16 rows: admitted in waves of different sizes as rows free up.
+    waves = _layout_requests(rng, 7, 3)
+    generate_beam(runner, waves, max_rows=16)
+    assert beam._search_chunk._cache_size() == 1
+    assert beam._start._cache_size() == 1
