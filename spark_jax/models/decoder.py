@@ -274,7 +274,7 @@ def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=Fals
 @partial(jax.jit, static_argnames=("config", "fresh"), donate_argnames=("kv",))
 def prefill(
     params, config: ModelConfig, tokens, lengths, slots, kv: KVCache, fresh=True, lora=None
-):
+) -> tuple[jax.Array, KVCache]:
     """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
 
     ``fresh`` starts new sequences in those rows; otherwise the tokens are appended to what
@@ -288,7 +288,9 @@ def prefill(
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def decode(params, config: ModelConfig, tokens, active, kv: KVCache, lora=None):
+def decode(
+    params, config: ModelConfig, tokens, active, kv: KVCache, lora=None
+) -> tuple[jax.Array, KVCache]:
     """One token per cache row; rows where ``active`` is False keep their length."""
     num_new = active.astype(jnp.int32)
     model, hidden, kv = _run(
@@ -304,14 +306,18 @@ def _decode_rows(params, tokens, active, kv: KVCache, lora, *, config: ModelConf
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def verify(params, config: ModelConfig, tokens, lengths, kv: KVCache, lora=None):
+def verify(
+    params, config: ModelConfig, tokens, lengths, kv: KVCache, lora=None
+) -> tuple[jax.Array, KVCache]:
     """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
     model, hidden, kv = _run(params, config, tokens, kv.lengths, lengths, None, kv, lora=lora)
     logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
     return logits, kv
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
+def init_params(
+    config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
+) -> dict[str, Any]:
     """Random parameters of the right tree and shapes (benchmarks and tests)."""
     model = DecoderLM(config, dtype)
     kv = init_cache(config, 1, 8, dtype)

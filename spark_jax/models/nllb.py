@@ -413,7 +413,7 @@ def _with_self_kv(cache: EncoderDecoderCache, kvs, lengths) -> EncoderDecoderCac
 
 
 @partial(jax.jit, static_argnames=("config",))
-def encode(params, config: NllbConfig, src, src_len, lora: LoraBatch | None = None):
+def encode(params, config: NllbConfig, src, src_len, lora: LoraBatch | None = None) -> jax.Array:
     """Source ids [B, S] (right-padded with pad) → encoder hidden states [B, S, D]."""
     model = Nllb(config, _params_dtype(params))
     return model.apply({"params": params}, src, src_len, lora, method=Nllb.encode)
@@ -429,7 +429,7 @@ def prefill(
     slots,
     cache: EncoderDecoderCache,
     lora: LoraBatch | None = None,
-):
+) -> tuple[jax.Array, EncoderDecoderCache]:
     """Encodes src[B, S] into rows ``slots`` and runs the decoder seed[B, T0]; last logits [B,V].
 
     Slots past the cache (padding of a bucketed batch) are dropped by every write. ``lora``
@@ -472,7 +472,7 @@ def decode(
     active,
     cache: EncoderDecoderCache,
     lora: LoraBatch | None = None,
-):
+) -> tuple[jax.Array, EncoderDecoderCache]:
     """One token per cache row; rows where ``active`` is False keep their length.
 
     ``lora`` rows follow the cache rows (the cross K/V already hold each row's adapter).
@@ -522,12 +522,16 @@ def forward(
 
 
 @partial(jax.jit, static_argnames=("with_cross",), donate_argnames=("cache",))
-def reorder_rows(cache: EncoderDecoderCache, source_rows, with_cross: bool = False):
+def reorder_rows(
+    cache: EncoderDecoderCache, source_rows, with_cross: bool = False
+) -> EncoderDecoderCache:
     """Row r becomes row ``source_rows[r]`` (beam search); a gather on device."""
     return cache.gather_rows(source_rows, with_cross)
 
 
-def init_params(config: NllbConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32):
+def init_params(
+    config: NllbConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
+) -> dict[str, Any]:
     """Random parameters of the right tree and shapes (benchmarks and tests)."""
     model = Nllb(config, dtype)
     cache = _self_kv(init_cache(config, 1, 4, 4, dtype))
