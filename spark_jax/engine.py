@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -232,8 +232,20 @@ def stream_batch(
         model.slot_pool.release(slots)
 
 
-def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
-    t0 = time.perf_counter()
+class _Batch(NamedTuple):
+    """One call's requests after prefill: what every decode chunk needs."""
+
+    rows: list[_Request]
+    lora: Any  # the runner's adapter input, or None
+    sampler: SamplerBatch
+    prompt_mask: jax.Array  # bool[B, V]
+    max_tokens: jax.Array  # int32[B]
+    greedy: bool  # every row is plain argmax: the loop skips the sampler
+    want_logprobs: bool
+
+
+def _start(model, runner, prompts, plist, adapters) -> tuple[_Batch, _Carry, _Chunk]:
+    """Prefill every prompt and pick each first token: the batch, its carry, its first chunk."""
     n = len(prompts)
     rows = [_Request(i, p, sp, model) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
     max_len = cache_len(max(len(p) + sp.max_tokens for p, sp in zip(prompts, plist, strict=True)))
@@ -241,72 +253,88 @@ def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
     # Adapters go to the runner only when a pool exists, so plain models keep one compile.
     lora_kw = {} if model.lora_pool is None else {"adapters": adapters}
     logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora_kw)
-    lora = runner.lora_input(adapters) if lora_kw else None
     vocab = logits.shape[-1]
-
-    greedy = all(_plain_greedy(p) for p in plist)
-    want_logprobs = any(p.logprobs is not None for p in plist)
-    batch = SamplerBatch.from_params(plist, vocab, model.eos_token_ids)
-    counts = jnp.zeros((n, vocab), jnp.int32)
     prompt_mask = np.zeros((n, vocab), bool)
     for i, p in enumerate(prompts):
         prompt_mask[i, p] = True
-    prompt_mask = jnp.asarray(prompt_mask)
-    max_tokens = jnp.asarray([p.max_tokens for p in plist], jnp.int32)
+    batch = _Batch(
+        rows=rows,
+        lora=runner.lora_input(adapters) if lora_kw else None,
+        sampler=SamplerBatch.from_params(plist, vocab, model.eos_token_ids),
+        prompt_mask=jnp.asarray(prompt_mask),
+        max_tokens=jnp.asarray([p.max_tokens for p in plist], jnp.int32),
+        greedy=all(_plain_greedy(p) for p in plist),
+        want_logprobs=any(p.logprobs is not None for p in plist),
+    )
+    counts = jnp.zeros((n, vocab), jnp.int32)
     first, counts, num_generated = _pick(
-        logits, batch, counts, prompt_mask, jnp.zeros((n,), jnp.int32), jnp.ones((n,), bool)
+        logits,
+        batch.sampler,
+        counts,
+        batch.prompt_mask,
+        jnp.zeros((n,), jnp.int32),
+        jnp.ones((n,), bool),
     )
     carry = _Carry(state, first.tokens, jnp.ones((n,), bool), counts, num_generated)
-    chunk = _Chunk(
-        first.tokens[:, None],
-        first.logprobs[:, None],
-        first.top_logprobs[:, None],
-        first.top_ids[:, None],
-        jnp.ones((n, 1), bool),
-    )
-    host_done = np.zeros(n, bool)
+    fields = (first.tokens, first.logprobs, first.top_logprobs, first.top_ids)
+    chunk = _Chunk(*(x[:, None] for x in fields), jnp.ones((n, 1), bool))
+    return batch, carry, chunk
+
+
+def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
+    t0 = time.perf_counter()
+    batch, carry, chunk = _start(model, runner, prompts, plist, adapters)
+    host_done = np.zeros(len(prompts), bool)
     timings: dict[str, float] = {}
     syncs = 0
     while True:
         # Dispatch the next chunk of steps before reading this one: the device decodes while
         # the host detokenizes and checks stops.
-        if not host_done.all():
-            carry = dataclasses.replace(carry, active=carry.active & jnp.asarray(~host_done))
-            carry, next_chunk = _decode_chunk(
-                runner.decode_fn,
-                runner.params,
-                lora,
-                carry,
-                batch,
-                prompt_mask,
-                max_tokens,
-                num_steps=steps_per_sync,
-                greedy=greedy,
-                want_logprobs=want_logprobs,
-            )
+        carry = dataclasses.replace(carry, active=carry.active & jnp.asarray(~host_done))
+        carry, next_chunk = _decode_chunk(
+            runner.decode_fn,
+            runner.params,
+            batch.lora,
+            carry,
+            batch.sampler,
+            batch.prompt_mask,
+            batch.max_tokens,
+            num_steps=steps_per_sync,
+            greedy=batch.greedy,
+            want_logprobs=batch.want_logprobs,
+        )
         host = jax.device_get(chunk)
         if syncs == 0:
             timings["ttft_s"] = time.perf_counter() - t0
         syncs += 1
-        for step in range(host.valid.shape[1]):
-            for row in rows:
-                if host_done[row.index] or not host.valid[row.index, step]:
-                    continue
-                lp = None
-                if row.params.logprobs is not None:
-                    lp = _token_logprobs(host, row.index, step, row.params.logprobs)
-                token = int(host.tokens[row.index, step])
-                delta = row.add(token, lp)
-                yield StreamOutput(row.index, token, delta, lp)
-                if row.finish_reason is not None:
-                    host_done[row.index] = True
+        if not host.valid.any():
+            # The device retired rows the host still runs: its stop rule must be a subset of
+            # the host's. Fail loudly rather than loop on empty chunks.
+            raise RuntimeError("the device stopped rows the host had not; this is a bug.")
+        yield from _emit(host, batch.rows, host_done)
         if host_done.all():
             break
         chunk = next_chunk
     timings["total_s"] = time.perf_counter() - t0
     timings["host_syncs"] = syncs
     if results is not None:
-        results.extend(r.result(timings) for r in rows)
+        results.extend(r.result(timings) for r in batch.rows)
+
+
+def _emit(host: Any, rows: list[_Request], host_done: np.ndarray) -> Iterator[StreamOutput]:
+    """Feeds one chunk's tokens to their requests in step order; marks finished rows done."""
+    for step in range(host.valid.shape[1]):
+        for row in rows:
+            if host_done[row.index] or not host.valid[row.index, step]:
+                continue
+            lp = None
+            if row.params.logprobs is not None:
+                lp = _token_logprobs(host, row.index, step, row.params.logprobs)
+            token = int(host.tokens[row.index, step])
+            delta = row.add(token, lp)
+            yield StreamOutput(row.index, token, delta, lp)
+            if row.finish_reason is not None:
+                host_done[row.index] = True
 
 
 @jax.tree_util.register_dataclass
