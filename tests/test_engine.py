@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,4 +150,20 @@ def test_bad_prompts_are_refused_before_any_device_work(tiny_llama):
         sj.generate(model, [1, 500], GREEDY)
     with pytest.raises(ValueError, match="positions"):
         sj.generate(model, [1] * 500, sj.SamplingParams(max_tokens=100))
+    assert model.slot_pool.in_use == 0
+
+
+def test_a_device_loop_that_retires_rows_early_fails_loudly_and_frees_slots(
+    tiny_llama, monkeypatch
+):
+    _, model = tiny_llama
+    real = engine._decode_chunk
+
+    def retiring(*args, **kwargs):
+        carry, chunk = real(*args, **kwargs)
+        return carry, dataclasses.replace(chunk, valid=jnp.zeros_like(chunk.valid))
+
+    monkeypatch.setattr(engine, "_decode_chunk", retiring)
+    with pytest.raises(RuntimeError, match="bug"):
+        sj.generate(model, random_prompt(17, 5), GREEDY)
     assert model.slot_pool.in_use == 0
