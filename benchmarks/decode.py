@@ -58,46 +58,16 @@ from benchmarks.common import (
     timed,
     torch_median_seconds,
 )
+from benchmarks.shapes import LLAMA3_8B, TINY
 from spark_jax import layers
 from spark_jax.attention import AttentionMask, reference_attention, split_kv_attention
-from spark_jax.config import ModelConfig, RopeConfig
+from spark_jax.config import ModelConfig
 from spark_jax.engine import generate
 from spark_jax.kv_cache import KVCache
 from spark_jax.model import Model
 from spark_jax.models import decoder
 from spark_jax.sampling import SamplingParams
 
-LLAMA3_ROPE = RopeConfig(
-    theta=500000.0,
-    kind="llama3",
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=8192,
-)
-LLAMA3_8B = ModelConfig(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope=LLAMA3_ROPE,
-    max_position_embeddings=131072,
-)
-TINY = dataclasses.replace(
-    LLAMA3_8B,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
 MODES = ("peer", "check", "bs1", "engine", "batch", "prefill", "micro", "variants", "flags")
 SAVED_HLO = ("bs1", "bs64", "heads_major_bs64")  # $OUT takes 8 files at most
 # The flags mode reruns bs1 and bs64 in a child process with these XLA flags.

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import emit, print_table
-from benchmarks.decode import LLAMA3_8B, TINY
+from benchmarks.shapes import LLAMA3_8B, TINY
 from spark_jax.config import ModelConfig
 
 

@@ -23,7 +23,6 @@ Results: one JSON line on stdout (and $OUT/speculative.json) and a table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,43 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import chain_seconds, emit, print_table
-from spark_jax.config import ModelConfig, RopeConfig
+from benchmarks.shapes import LLAMA3_8B, TINY
 from spark_jax.engine import GenerationResult, generate
 from spark_jax.model import Model
 from spark_jax.models import decoder
 from spark_jax.sampling import SamplingParams
 from spark_jax.speculative import Draft, generate_speculative
-
-LLAMA3_8B = ModelConfig(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope=RopeConfig(
-        theta=500000.0,
-        kind="llama3",
-        factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    ),
-    max_position_embeddings=131072,
-)
-TINY = dataclasses.replace(
-    LLAMA3_8B,
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
 
 
 class ReplayDrafter:
