@@ -139,3 +139,26 @@ def hf_smollm2():
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     return model.eval()
+
+
+def make_peft(hf, seed: int, **lora_kwargs):
+    """A PEFT LoRA model over a copy of ``hf``, B initialised non-zero (the oracle of LoRA)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs)
+    return get_peft_model(copy.deepcopy(hf), config).eval()
+
+
+def add_peft_adapters(model: sj.Model, hf, adapters: dict, tmp_path_factory) -> dict:
+    """Saves one PEFT adapter per (name -> LoraConfig kwargs) and loads each into ``model``."""
+    peft_models = {}
+    for seed, (name, kwargs) in enumerate(adapters.items()):
+        peft = make_peft(hf, seed, **kwargs)
+        path = tmp_path_factory.mktemp(name)
+        peft.save_pretrained(path)
+        model.add_adapter(name, path)
+        peft_models[name] = peft
+    return peft_models

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import smollm2_gguf_path
-from conftest_converter_helpers import (
+from converter_fixtures import (
     TINY_LLAMA,
     save_tiny_llama,
     tiny_bpe_vocab,

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-from conftest import HF_BUILDERS, model_from_hf, random_prompt
+from conftest import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, random_prompt
 
 import spark_jax as sj
 from spark_jax import engine
@@ -21,28 +19,13 @@ ADAPTERS = {  # name -> LoraConfig kwargs; B initialised non-zero (init_lora_wei
 }
 
 
-def _peft(hf, seed: int, **kwargs):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kwargs)
-    return get_peft_model(copy.deepcopy(hf), config).eval()
-
-
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
     torch.manual_seed(3)
     hf = HF_BUILDERS["qwen2_bias"]().eval()
-    peft_models = {}
     model = model_from_hf(hf)
     model.enable_lora(max_adapters=4, max_rank=8)
-    for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
-        peft_model = _peft(hf, seed, **kwargs)
-        path = tmp_path_factory.mktemp(name)
-        peft_model.save_pretrained(path)
-        model.add_adapter(name, path)
-        peft_models[name] = peft_model
-    return hf, model, peft_models
+    return hf, model, add_peft_adapters(model, hf, ADAPTERS, tmp_path_factory)
 
 
 def test_each_adapter_matches_peft_and_base_rows_match_the_base_model(lora_setup):
@@ -104,15 +87,19 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     other = Qwen2ForCausalLM(Qwen2Config(**{**hf.config.to_dict(), "hidden_size": 32}))
-    _peft(other, 0, r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path / "o")
+    make_peft(other, 0, r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(
+        tmp_path / "o"
+    )
     with pytest.raises(ValueError, match="q_proj.*another base model"):
         model.add_adapter("other_base", tmp_path / "o")
-    _peft(hf, 0, r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True).save_pretrained(
+    make_peft(hf, 0, r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True).save_pretrained(
         tmp_path / "dora"
     )
     with pytest.raises(ValueError, match="DoRA"):
         model.add_adapter("dora", tmp_path / "dora")
-    _peft(hf, 0, r=4, lora_alpha=8, target_modules=["lm_head"]).save_pretrained(tmp_path / "head")
+    make_peft(hf, 0, r=4, lora_alpha=8, target_modules=["lm_head"]).save_pretrained(
+        tmp_path / "head"
+    )
     with pytest.raises(ValueError, match="lm_head"):
         model.add_adapter("head", tmp_path / "head")
     with pytest.raises(ValueError, match="not loaded"):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import jax.numpy as jnp
 import nllb_fixtures as nf
 import numpy as np
 import pytest
 import torch
+from conftest import add_peft_adapters, make_peft
 
 import spark_jax as sj
 from spark_jax import engine
@@ -30,14 +29,6 @@ ADAPTERS = {  # name -> LoraConfig kwargs; B initialised non-zero (init_lora_wei
 MIXED = [None, "all_r4", "self_r8_rslora", "cross_ffn_r2", "all_r4", None]
 
 
-def _peft(hf, seed: int, **kwargs):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kwargs)
-    return get_peft_model(copy.deepcopy(hf), config).eval()
-
-
 def _model(hf) -> Model:
     runner = nf.ours(hf)
     return Model(runner.config, runner.params, tokenizer=None, runner=runner)
@@ -48,14 +39,7 @@ def lora_setup(tmp_path_factory):
     hf = nf.tiny_hf(encoder_layers=2, decoder_layers=3)
     model = _model(hf)
     model.enable_lora(max_adapters=4, max_rank=8)
-    peft_models = {}
-    for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
-        peft_model = _peft(hf, seed, **kwargs)
-        path = tmp_path_factory.mktemp(name)
-        peft_model.save_pretrained(path)
-        model.add_adapter(name, path)
-        peft_models[name] = peft_model
-    return hf, model, peft_models
+    return hf, model, add_peft_adapters(model, hf, ADAPTERS, tmp_path_factory)
 
 
 def _relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -200,10 +184,12 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
 
     other_config = M2M100Config(**{**hf.config.to_dict(), "d_model": 16})
     other = M2M100ForConditionalGeneration(other_config)
-    _peft(other, 0, r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(tmp_path / "o")
+    make_peft(other, 0, r=4, lora_alpha=8, target_modules=["q_proj"]).save_pretrained(
+        tmp_path / "o"
+    )
     with pytest.raises(ValueError, match=r"q_proj: lora_A \(4, 16\).*another base model"):
         model.add_adapter("other_base", tmp_path / "o")
-    head = _peft(hf, 0, r=4, lora_alpha=8, target_modules=["lm_head"])
+    head = make_peft(hf, 0, r=4, lora_alpha=8, target_modules=["lm_head"])
     head.save_pretrained(tmp_path / "head", save_embedding_layers=False)
     with pytest.raises(ValueError, match="targets module 'lm_head'"):
         model.add_adapter("head", tmp_path / "head")
