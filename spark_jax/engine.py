@@ -2,8 +2,10 @@
 
 The seed engine's shape: prefill → decode → pick → stop check, with every sequence's slot
 given back on every path, errors included. The loop is plain Python and imports no model
-file: it drives the ``Runner`` protocol of ``spark_jax.model``. Each step it dispatches the
-next decode before reading the previous step's tokens, so the host's stop checks overlap the
+file: it drives the ``Runner`` protocol of ``spark_jax.model``. Decode steps run on the device
+in chunks (a jitted while loop with the stop-token and max-token checks inside; one step per
+chunk when a consumer streams token by token, several otherwise). The host dispatches the next
+chunk before reading the last one, so its detokenizing and stop-string checks overlap the
 device's work, and it copies only token ids (and logprobs when asked) to the host.
 """
 
@@ -21,12 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.models.common import bucket
-from spark_jax.sampling import SampleOutput, SamplerBatch, SamplingParams, count_tokens, sample
+from spark_jax.sampling import (
+    MAX_LOGPROBS,
+    SampleOutput,
+    SamplerBatch,
+    SamplingParams,
+    count_tokens,
+    sample,
+)
 from spark_jax.tokenizer import IncrementalDetokenizer
 
 MIN_CACHE_LEN = 256
 STEPS_PER_SYNC = 8  # decode steps per device call when nobody streams token by token
-MAX_TOP = 20  # top logprobs a step returns at most (SamplingParams.logprobs <= 20)
 
 
 @dataclass
@@ -386,7 +394,7 @@ def _decode_chunk(
     ``num_steps``.
     """
     b = carry.tokens.shape[0]
-    top_n = MAX_TOP if want_logprobs else 1
+    top_n = MAX_LOGPROBS if want_logprobs else 1
     empty = _Chunk(
         jnp.zeros((b, num_steps), jnp.int32),
         jnp.zeros((b, num_steps), jnp.float32),
