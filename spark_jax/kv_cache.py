@@ -10,14 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Self
 
 import jax
 import jax.numpy as jnp
 
 
+class _Rows:
+    """What every cache has from its ``lengths`` (int32[slots]) and its ``max_len``."""
+
+    lengths: jax.Array
+    max_len: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.lengths.shape[0]
+
+    def is_full(self) -> jax.Array:
+        """bool[slots]: rows that have no room for another token."""
+        return self.lengths >= self.max_len
+
+    def with_lengths(self, lengths: jax.Array) -> Self:
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class KVCache:
+class KVCache(_Rows):
     """Self-attention keys and values for ``num_slots`` sequences of up to ``max_len`` tokens."""
 
     k: tuple[jax.Array, ...]  # per layer [slots, S, K, H]
@@ -42,23 +61,12 @@ class KVCache:
         )
 
     @property
-    def num_slots(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k + self.v)
-
-    def is_full(self) -> jax.Array:
-        """bool[slots]: rows that have no room for another token."""
-        return self.lengths >= self.max_len
-
-    def with_lengths(self, lengths: jax.Array) -> KVCache:
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
     def reset_rows(self, rows: jax.Array) -> KVCache:
         """Frees rows: their lengths drop to zero (the stale keys are never read)."""
@@ -146,7 +154,7 @@ class PagedLayer:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(_Rows):
     """Self-attention keys and values of ``num_slots`` sequences in a shared page pool.
 
     ``k`` and ``v`` give per-layer ``PagedLayer`` views, so a model written against dense
@@ -189,10 +197,6 @@ class PagedKVCache:
         return tuple(PagedLayer(p, self.block_table) for p in self.v_pages)
 
     @property
-    def num_slots(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
     def num_pages(self) -> int:
         return self.k_pages[0].shape[0]
 
@@ -207,13 +211,6 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k_pages + self.v_pages)
-
-    def is_full(self) -> jax.Array:
-        """bool[slots]: rows that have no room for another token."""
-        return self.lengths >= self.max_len
-
-    def with_lengths(self, lengths: jax.Array) -> PagedKVCache:
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
     def with_block_table(self, block_table: jax.Array) -> PagedKVCache:
         return dataclasses.replace(self, block_table=block_table.astype(jnp.int32))
@@ -231,7 +228,7 @@ class PagedKVCache:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class EncoderDecoderCache:
+class EncoderDecoderCache(_Rows):
     """The decoder state of an encoder-decoder (NLLB) for ``num_slots`` sequences.
 
     Self-attention keys and values grow one token per step, as in ``KVCache``. The
@@ -269,10 +266,6 @@ class EncoderDecoderCache:
         )
 
     @property
-    def num_slots(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
@@ -283,13 +276,6 @@ class EncoderDecoderCache:
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k + self.v + self.cross_k + self.cross_v)
-
-    def is_full(self) -> jax.Array:
-        """bool[slots]: rows that have no room for another token."""
-        return self.lengths >= self.max_len
-
-    def with_lengths(self, lengths: jax.Array) -> EncoderDecoderCache:
-        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
     def reset_rows(self, rows: jax.Array) -> EncoderDecoderCache:
         """Frees rows: both lengths drop to zero (the stale keys are never read)."""
