@@ -58,7 +58,7 @@ from benchmarks.common import (
     timed,
     torch_median_seconds,
 )
-from benchmarks.shapes import LLAMA3_8B, TINY
+from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
 from spark_jax import layers
 from spark_jax.attention import AttentionMask, reference_attention, split_kv_attention
 from spark_jax.config import ModelConfig
@@ -676,26 +676,7 @@ def run_peer(plan: Plan) -> dict[str, Any]:
 
     c = plan.config
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf_config = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": c.rope.theta,
-            "factor": c.rope.factor,
-            "low_freq_factor": c.rope.low_freq_factor,
-            "high_freq_factor": c.rope.high_freq_factor,
-            "original_max_position_embeddings": c.rope.original_max_position_embeddings,
-        },
-    )
+    hf_config = LlamaConfig(**hf_llama_kwargs(c))
     torch.manual_seed(0)
     start = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)

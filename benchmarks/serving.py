@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import emit, print_table
-from benchmarks.shapes import LLAMA3_8B, TINY
+from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
 from spark_jax.config import ModelConfig
 
 
@@ -198,17 +198,13 @@ def run_peer(plan: Plan) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if plan.dtype == "bfloat16" else torch.float32
     hf_config = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=plan.max_model_len,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
+        **hf_llama_kwargs(
+            c,
+            max_position_embeddings=plan.max_model_len,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
     )
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from spark_jax.config import ModelConfig, RopeConfig
 
@@ -37,3 +38,29 @@ TINY = dataclasses.replace(
     num_kv_heads=2,
     head_dim=32,
 )
+
+
+def hf_llama_kwargs(config: ModelConfig, **overrides: Any) -> dict[str, Any]:
+    """``transformers.LlamaConfig`` keyword arguments of the same model (the torch peers')."""
+    rope = config.rope
+    kwargs = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": rope.kind,
+            "rope_theta": rope.theta,
+            "factor": rope.factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        },
+    )
+    return kwargs | overrides
