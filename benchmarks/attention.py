@@ -13,6 +13,9 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
 - ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU),
 - ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
 - ``xla`` the reference as the engine runs it,
+- ``cudnn_paged`` cuDNN's paged attention (``spark_jax.attention.cache_attention``) over the
+  same K/V laid out in 16-key pages of a shuffled pool, and ``gather_cudnn`` what the batching
+  engine did before it: gather the pages into rows, then ``cudnn`` (decode cases, GPU only),
 - ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
   (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
   FA3 (``attention_mgpu``, GPU only; f16 only, so its timing includes a cast of q, k, v).
@@ -106,6 +109,8 @@ def implementations(case: Case) -> dict[str, Impl | None]:
         return {
             "pallas": pallas,
             "cudnn": cudnn,
+            "cudnn_paged": _paged(case, gather=False) if ON_GPU else None,
+            "gather_cudnn": _paged(case, gather=True) if ON_GPU else None,
             "xla": xla,
             "triton_gqa": partial(_triton_gqa, scale=scale),
         }
@@ -129,6 +134,35 @@ def _cudnn(q, k, v, lengths, causal: bool) -> jax.Array:
     return jax.nn.dot_product_attention(
         q, k, v, key_value_seq_lengths=lengths, implementation="cudnn"
     )
+
+
+PAGE_SIZE = 16  # the batching engine's default
+
+
+def _paged(case: Case, gather: bool) -> Impl:
+    """The case's K/V (``inputs``, same seed) in a shuffled page pool; ``run_case`` passes the
+    pools (``run.operands``) in place of k and v, as arguments, not as jit constants."""
+    from spark_jax.attention import cache_attention, cudnn_decode_attention
+    from spark_jax.kv_cache import PagedLayer
+
+    _, k, v, _ = inputs(case)
+    per_row = case.s // PAGE_SIZE
+    order = np.random.default_rng(1).permutation(case.b * per_row)  # pool page of each block
+    table = jnp.asarray(order.reshape(case.b, per_row), jnp.int32)
+    inverse = jnp.asarray(np.argsort(order))
+
+    def pool(x: jax.Array) -> PagedLayer:
+        blocks = x.reshape(case.b * per_row, PAGE_SIZE, case.kv_heads, case.h)
+        return PagedLayer(blocks[inverse], table)
+
+    def run(q, k_pages, v_pages, lengths):
+        mask = AttentionMask(lengths[:, None] - 1, lengths, causal=False)
+        if gather:
+            return cudnn_decode_attention(q, k_pages.read(None), v_pages.read(None), mask)
+        return cache_attention(q, k_pages, v_pages, None, mask)
+
+    run.operands = (pool(k), pool(v))  # type: ignore[attr-defined]
+    return run
 
 
 def _triton_gqa(q, k, v, lengths, scale: float) -> jax.Array:
@@ -178,12 +212,14 @@ def run_case(case: Case, iters: int) -> dict[str, Any]:
             results[name] = {"skipped": "not available for this case or backend"}
             continue
         fn = jax.jit(impl)
+        kv = getattr(impl, "operands", (k, v))
         try:
             poison_free_memory(max(4 * q.size * 4, k.nbytes))
-            out = jax.block_until_ready(fn(q, k, v, lengths)).astype(jnp.float32)
+            out = jax.block_until_ready(fn(q, *kv, lengths)).astype(jnp.float32)
             rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             entry: dict[str, Any] = {"rel_error": rel, "ok": bool(rel <= tolerance)}
-            seconds = median_seconds(lambda fn=fn: fn(q, k, v, lengths), warmup=1, iters=iters)
+            call = partial(fn, q, *kv, lengths)
+            seconds = median_seconds(call, warmup=1, iters=iters)
             entry["us"] = seconds * 1e6
             unit = "tflop_s" if case.kind == "prefill" else "tb_s"
             entry[unit] = case.work() / seconds / 1e12

@@ -1,7 +1,9 @@
 """Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, Pallas opt-in.
 
 Every caller describes what it wants with an ``AttentionMask`` of positions and lengths; the
-mask itself is built here, once, so the model files never build masks by hand.
+mask itself is built here, once, so the model files never build masks by hand. Models attend
+over their cache with ``cache_attention``: on the GPU a decode step over a paged cache reads
+the pages in place (cuDNN's paged attention); elsewhere the rows are read out first.
 
 Axes: B batch, T query length, S key length, N query heads, K kv heads, G = N / K, H head dim.
 """
@@ -13,6 +15,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from spark_jax.kv_cache import PagedLayer, read_rows
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -131,6 +135,86 @@ def cudnn_decode_attention(
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
     )
+
+
+def cudnn_paged_applies(
+    q: jax.Array, k_cache: PagedLayer, rows: int, sliding_window: int | None
+) -> bool:
+    """True where cuDNN's paged attention takes this decode step (see ``cudnn_page_table``):
+    the dense decode conditions, and a pool that splits evenly into ``rows`` tables at least
+    as wide as the block table."""
+    num_pages = k_cache.pages.shape[0]
+    return (
+        cudnn_decode_applies(q, k_cache.pages, sliding_window)
+        and num_pages % rows == 0
+        and num_pages // rows >= k_cache.block_table.shape[1]
+    )
+
+
+def cudnn_page_table(table: jax.Array, num_pages: int) -> jax.Array:
+    """The block table ``int32[B, W]`` as cuDNN's page table ``int32[B, 1, P / B, 1]``.
+
+    JAX's cuDNN binding requires the pool's page count to equal B times the table's width, so
+    each row's table is padded to ``P / B`` entries. Padding and the pages a row does not own
+    (``num_pages``, out of range) become page 0: they lie past the row's length, never read.
+    """
+    b, width = table.shape
+    table = jnp.where(table < num_pages, table, 0)
+    table = jnp.pad(table, ((0, 0), (0, num_pages // b - width)))
+    return table[:, None, :, None]
+
+
+def cudnn_paged_decode_attention(
+    q: jax.Array,
+    k_cache: PagedLayer,
+    v_cache: PagedLayer,
+    slots: jax.Array | None,
+    mask: AttentionMask,
+    scale: float | None = None,
+) -> jax.Array:
+    """q [B,1,N,H] over the pages of rows ``slots`` (all rows if None), keys < key_lengths[b].
+
+    Reads each row's pages in place: no ``[B, S, K, H]`` copy of the rows. The gather it
+    replaces writes and reads every row's whole table width per layer, which made a 128-row
+    decode step of the batching engine cost ~2-3x its weight reads on the H200.
+    """
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, paged_attention
+
+    b, _, _, h = q.shape
+    table = cudnn_page_table(k_cache.table_rows(slots), k_cache.pages.shape[0])
+    lengths = jnp.maximum(mask.key_lengths, 1)  # an idle row of length 0 would divide by zero
+    return paged_attention(
+        q,
+        k_cache.pages,
+        v_cache.pages,
+        jnp.ones((b,), jnp.int32),
+        lengths.astype(jnp.int32),
+        table,
+        table,
+        scale=h**-0.5 if scale is None else scale,
+        mask_type=MaskType.PADDING,
+    )
+
+
+def cache_attention(
+    q: jax.Array,
+    k_cache: jax.Array | PagedLayer,
+    v_cache: jax.Array | PagedLayer,
+    slots: jax.Array | None,
+    mask: AttentionMask,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Attention of q [B,T,N,H] over the cache rows ``slots`` (all rows if None).
+
+    A paged decode step on the GPU reads the pages in place; everything else reads the rows
+    out (a view of a dense cache, a gather of a paged one) and goes through ``attention``.
+    """
+    if isinstance(k_cache, PagedLayer) and cudnn_paged_applies(
+        q, k_cache, q.shape[0], sliding_window
+    ):
+        return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
+    keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
+    return attention(q, keys, values, mask, sliding_window)
 
 
 # ---------------------------------------------------------------------------------------------

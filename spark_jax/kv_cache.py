@@ -124,7 +124,7 @@ class PagedLayer:
     def page_size(self) -> int:
         return self.pages.shape[1]
 
-    def _rows(self, slots: jax.Array | None) -> jax.Array:
+    def table_rows(self, slots: jax.Array | None) -> jax.Array:
         """int32[B, max_pages]: the pages of each row; slots out of range own no page."""
         if slots is None:
             return self.block_table
@@ -134,7 +134,7 @@ class PagedLayer:
 
     def write(self, new: jax.Array, slots: jax.Array | None, positions: jax.Array) -> PagedLayer:
         """Writes ``new[B, T, K, H]`` at ``positions[B, T]`` of rows ``slots[B]``."""
-        table = self._rows(slots)
+        table = self.table_rows(slots)
         index = positions // self.page_size
         page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
         page = jnp.where(index < table.shape[1], page, self.pages.shape[0])
@@ -146,7 +146,7 @@ class PagedLayer:
     def read(self, slots: jax.Array | None) -> jax.Array:
         """Gathers each row's pages into ``[B, max_pages * page_size, K, H]`` (the fallback of
         a paged kernel); pages a row does not own read as some other page, masked by length."""
-        table = self._rows(slots)
+        table = self.table_rows(slots)
         b, n = table.shape
         rows = jnp.take(self.pages, table.reshape(-1), axis=0, mode="clip")
         return rows.reshape(b, n * self.page_size, *self.pages.shape[2:])

@@ -54,3 +54,65 @@ def test_cudnn_decode_attention_matches_the_reference_on_gpu():
     out = att.attention(q, k, v, mask).astype(jnp.float32)
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2
+
+
+def _paged_inputs(seed, b, n, kv_heads, h, page_size, num_pages, width, dtype=jnp.float32):
+    """A page pool, a block table of distinct pages (num_pages where a row owns none), and the
+    decode query and mask of rows with random lengths."""
+    from spark_jax.kv_cache import PagedLayer
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, width * page_size + 1, b)
+    owned = -(-lengths // page_size)
+    pages = rng.permutation(num_pages)[: owned.sum()]
+    table = np.full((b, width), num_pages, np.int32)
+    starts = np.concatenate([[0], np.cumsum(owned)])
+    for row in range(b):
+        table[row, : owned[row]] = pages[starts[row] : starts[row + 1]]
+    pool_shape = (num_pages, page_size, kv_heads, h)
+    k, v = (
+        PagedLayer(jnp.asarray(rng.standard_normal(pool_shape), dtype), jnp.asarray(table))
+        for _ in range(2)
+    )
+    q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return q, k, v, att.AttentionMask(lengths[:, None] - 1, lengths, causal=False)
+
+
+def test_cudnn_page_table_addresses_each_rows_keys():
+    """The padded page table reads, within each row's length, exactly the keys the gather does
+    (cuDNN itself runs only on the GPU: the test below)."""
+    q, k, _, mask = _paged_inputs(3, b=4, n=4, kv_heads=2, h=8, page_size=4, num_pages=32, width=6)
+    table = att.cudnn_page_table(k.block_table, k.pages.shape[0])
+    assert table.shape == (4, 1, 8, 1)
+    assert int(table.max()) < k.pages.shape[0]
+    via_table = k.pages[table[:, 0, :, 0]].reshape(4, -1, 2, 8)
+    gathered = k.read(None)
+    for row, n in enumerate(np.asarray(mask.key_lengths)):
+        np.testing.assert_array_equal(np.asarray(via_table[row, :n]), np.asarray(gathered[row, :n]))
+
+
+def test_cache_attention_on_pages_falls_back_to_the_gather_off_gpu():
+    q, k, v, mask = _paged_inputs(4, b=4, n=4, kv_heads=2, h=8, page_size=4, num_pages=32, width=6)
+    if jax.default_backend() == "gpu":
+        pytest.skip("the fallback is what runs off the GPU")
+    assert not att.cudnn_paged_applies(q, k, 4, None)
+    out = att.cache_attention(q, k, v, None, mask)
+    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_cudnn_paged_decode_attention_matches_the_gather_on_gpu(page_size):
+    q, k, v, mask = _paged_inputs(
+        5, b=8, n=32, kv_heads=8, h=128, page_size=page_size, num_pages=8 * 32, width=16,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    assert att.cudnn_paged_applies(q, k, 8, None)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = att.reference_attention(f32(q), f32(k.read(None)), f32(v.read(None)), mask)
+    out = f32(att.cache_attention(q, k, v, None, mask))
+    rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert rel < 1e-2

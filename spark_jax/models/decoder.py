@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention
+from spark_jax.attention import AttentionMask, attention, cache_attention
 from spark_jax.config import ModelConfig
-from spark_jax.kv_cache import KVCache, read_rows, write_kv
+from spark_jax.kv_cache import KVCache, write_kv
 from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.lora import LoraTarget, scope
 from spark_jax.models.common import bucket, random_params
@@ -161,10 +161,9 @@ class SelfAttention(nn.Module):
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
         if fresh:  # a new sequence sees only this chunk: no read of the (longer) cache rows
-            keys, values = k, v
+            out = attention(q, k, v, mask, window)
         else:
-            keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
-        out = attention(q, keys, values, mask, window)
+            out = cache_attention(q, k_cache, v_cache, slots, mask, window)
         out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(
             out.reshape(b, t, -1), scope(lora, "o_proj")
         )
