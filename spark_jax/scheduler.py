@@ -5,7 +5,9 @@
 
 1. decode: every running sequence that holds its next input token advances one token. The
    decode step always runs all ``max_num_seqs`` cache rows (idle rows masked), so its shape
-   never changes; only the block table's width (the longest row, in pages) moves on a ladder.
+   never changes. On the GPU its attention reads each row's pages in place (cuDNN's paged
+   attention); elsewhere it gathers the rows, and the block table's width (the longest row,
+   in pages) moves on a ladder so the gather stays short.
 2. prefill: sequences still reading their prompt advance by one chunk, packed into one
    ``[B, T]`` batch from a fixed ladder with ``B * T <= max_batch_tokens``. Waiting requests
    are admitted first come, first served, when a slot and the pages of their prompt are free.
@@ -40,9 +42,9 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.attention import cudnn_paged_applies
 from spark_jax.engine import GenerationResult, TokenLogprobs, _Request
 from spark_jax.kv_cache import PagedKVCache
 from spark_jax.sampling import SamplerBatch, SamplingParams, count_tokens, sample
@@ -93,6 +95,11 @@ def _pow2_ladder(low: int, high: int) -> list[int]:
     while rungs[-1] < high:
         rungs.append(min(rungs[-1] * 2, high))
     return rungs
+
+
+def _commit(tree: Any) -> Any:
+    """The arrays of ``tree`` committed to the default device (see ``_init_host_state``)."""
+    return jax.device_put(tree, jax.devices()[0])
 
 
 def _rung(ladder: Sequence[int], n: int) -> int:
@@ -176,7 +183,10 @@ class Engine:
     max_num_seqs: cache rows, i.e. sequences decoded at once.
     max_batch_tokens: padded prefill tokens per step (a power of two >= 16); also the
         longest prefill chunk.
-    kv_pages, page_size: the page pool; by default every row can reach max_model_len.
+    kv_pages, page_size: the page pool; by default every row can reach max_model_len. On the
+        GPU the decode step reads pages in place only when ``kv_pages`` is a multiple of
+        ``max_num_seqs`` with at least ``max_model_len`` worth of pages per row (the default
+        is); any other pool falls back to gathering the rows.
     max_model_len: the longest prompt + output (default: the model's positions).
     max_prefill_seqs: sequences prefilled in one step (the row ladder's top).
     min_chunk, min_decode_pages: the lowest rungs of the prefill-length and block-table
@@ -221,6 +231,10 @@ class Engine:
         self.width_ladder = _pow2_ladder(low, self.max_pages_per_seq)
         self.allocator = PageAllocator(kv_pages)
         self.state = self._create_cache(kv_pages)
+        if self._decode_reads_pages_in_place():
+            # Each row's attention then reads its own pages whatever the table's width: one
+            # decode shape instead of a ladder, so fewer compiles at startup.
+            self.width_ladder = [self.max_pages_per_seq]
         self._init_host_state(kv_pages)
         self._lock = threading.RLock()
         self._queues: dict[int, asyncio.Queue[RequestOutput]] = {}
@@ -228,16 +242,26 @@ class Engine:
 
     def _create_cache(self, kv_pages: int) -> PagedKVCache:
         c = self.model.config
-        return PagedKVCache.create(
-            c.num_layers,
-            self.num_slots,
-            kv_pages,
-            self.page_size,
-            self.max_pages_per_seq,
-            c.num_kv_heads,
-            c.head_dim,
-            self.model.dtype,
+        return _commit(
+            PagedKVCache.create(
+                c.num_layers,
+                self.num_slots,
+                kv_pages,
+                self.page_size,
+                self.max_pages_per_seq,
+                c.num_kv_heads,
+                c.head_dim,
+                self.model.dtype,
+            )
         )
+
+    def _decode_reads_pages_in_place(self) -> bool:
+        """True where the decode step's attention reads the pages in place (cuDNN's paged
+        attention on the GPU) rather than gathering each row's table width."""
+        c = self.model.config
+        q = jax.ShapeDtypeStruct((self.num_slots, 1, c.num_heads, c.head_dim), self.model.dtype)
+        window = next((w for w in c.sliding_windows if w), None)
+        return cudnn_paged_applies(q, self.state.k[0], self.num_slots, window)
 
     def _init_host_state(self, kv_pages: int) -> None:
         n, vocab = self.num_slots, self.model.config.vocab_size
@@ -251,9 +275,12 @@ class Engine:
         self._next_id = 0
         self._admissions = 0
         self.num_preemptions = 0
-        self._counts = jnp.zeros((n, vocab), jnp.int32)
-        self._prompt_mask = jnp.zeros((n, vocab), bool)
-        self._zero_logits = jnp.zeros((n, vocab), jnp.float32)
+        # Every array the engine holds is committed to the device from the start, like the
+        # step outputs that replace it: a jitted step's cache key includes whether its inputs
+        # are committed, so state that changed status after warm-up would compile again.
+        self._counts = _commit(np.zeros((n, vocab), np.int32))
+        self._prompt_mask = _commit(np.zeros((n, vocab), bool))
+        self._zero_logits = _commit(np.zeros((n, vocab), np.float32))
         self._batch: SamplerBatch | None = None  # rebuilt when the slots' owners change
 
     # -- requests ---------------------------------------------------------------------------

@@ -274,3 +274,16 @@ def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_pa
     base = [dataclasses.replace(p, adapter=None) for p in params]
     assert solo(model, prompts, base) != [r.output_tokens for r in results]  # adapters act
     assert engine.slots_in_use == 0 and engine.pages_in_use == 0
+
+
+def test_an_engine_over_device_committed_weights_never_compiles_after_warmup(tiny_llama):
+    """Weights restored from a checkpoint sit committed to a device; the step outputs (and the
+    sampler state they feed) then are too, which warm-up must have compiled for."""
+    _, model = tiny_llama
+    params = jax.device_put(model.params, jax.devices()[0])
+    committed = sj.Model(model.config, params, model.tokenizer, model.generation_config)
+    engine = Engine(committed, max_num_seqs=4, max_batch_tokens=32, page_size=16)
+    engine.warmup()
+    with CompileCounter() as counter:
+        engine.generate_many([random_prompt(7, 20), random_prompt(8, 5)], mixed_params(0, 4))
+    assert counter.count == 0
