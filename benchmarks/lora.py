@@ -6,7 +6,8 @@
 Eight distinct rank-16 adapters on every projection (q/k/v/o, gate/up/down) are resident in a
 pool of 8; the batch of 32 rows cycles through them, so every adapter is in use in every
 step. The peer, in the same run and on the same cache, is the decode step without adapters;
-the floor adds the pool's bytes to the weight and KV bytes a step must read. Also checked:
+the floor adds the pool's bytes to the weight and KV bytes a step must read. The kernels of
+both compiled steps are counted (the adapters' cost is launches more than bytes). Also checked:
 base rows of the adapted step give the same logits as the plain step (exact zero delta).
 """
 
@@ -23,6 +24,7 @@ from benchmarks.common import chain_seconds, copy_bandwidth, emit, floor_seconds
 from benchmarks.decode import (
     FULL,
     SMALL,
+    hlo_report,
     kv_bytes_per_token,
     random_cache,
     random_tokens,
@@ -47,6 +49,12 @@ def random_adapters(config, count: int, rank: int, seed: int) -> list[LoraAdapte
         }
         adapters.append(LoraAdapter(f"adapter{i}", rank, 2.0, weights))
     return adapters
+
+
+def step_kernels(params, config, tokens, active, kv, lora) -> int:
+    """Kernel launches of the compiled decode step, counted in its optimized HLO."""
+    text = decoder.decode.lower(params, config, tokens, active, kv, lora).compile().as_text()
+    return hlo_report(text, kv.k[0].size)["kernels"]
 
 
 def main() -> None:
@@ -95,6 +103,11 @@ def main() -> None:
     base_equal = base_rel < 2e-2
     lora_changes = float(jnp.abs(lora_logits - plain_logits).max())
 
+    kernels = {
+        name: step_kernels(params, config, tokens, active, kv, step_lora)
+        for name, step_lora in (("plain", None), ("lora", lora))
+    }
+
     kv = kv.with_lengths(jnp.full((batch,), context - 64, jnp.int32))
     steps = 4 if args.tiny else 16
     plain_s, plain_all, kv = chain_seconds(step_plain, kv, steps)
@@ -117,6 +130,9 @@ def main() -> None:
         "ms_step_adapters": lora_s * 1e3,
         "s_per_step_repeats": {"plain": plain_all, "lora": lora_all},
         "overhead": lora_s / plain_s - 1.0,
+        "kernels_no_adapters": kernels["plain"],
+        "kernels_adapters": kernels["lora"],
+        "kernels_added_per_layer": (kernels["lora"] - kernels["plain"]) / config.num_layers,
         "floor_ms_no_adapters": floor_seconds(weights + kv_bytes, bandwidth) * 1e3,
         "floor_ms_adapters": floor_seconds(weights + kv_bytes + pool_bytes, bandwidth) * 1e3,
         "copy_bytes_per_s": bandwidth,
@@ -127,14 +143,15 @@ def main() -> None:
     }
     emit(results, "lora")
     print_table(
-        ["variant", "ms/step", "floor ms", "overhead"],
+        ["variant", "ms/step", "floor ms", "overhead", "kernels"],
         [
-            ["no adapters", plain_s * 1e3, results["floor_ms_no_adapters"], 0.0],
+            ["no adapters", plain_s * 1e3, results["floor_ms_no_adapters"], 0.0, kernels["plain"]],
             [
                 f"{args.adapters} x r{args.rank}",
                 lora_s * 1e3,
                 results["floor_ms_adapters"],
                 results["overhead"],
+                kernels["lora"],
             ],
         ],
     )

@@ -262,14 +262,20 @@ class LoraBatch:
         return LoraBatch(node, self.rows, self.num_adapters)
 
     def delta(self, x: jax.Array) -> jax.Array:
-        """((x a) * row_mask) b for x [B, T, in] at a Linear's scope; zero for base rows."""
+        """((x a) * row_mask) b for x [B, T, in] at a Linear's scope; zero for base rows.
+
+        Both GEMMs accumulate in fp32 and round once to the pool's dtype (the model's), as the
+        base Linear does: an fp32 output and a convert after cost a kernel per GEMM on the GPU,
+        while a same-dtype result can be added to the base GEMM inside cuBLAS. Masking after
+        the first rounding is exact (it keeps a value or zeroes it).
+        """
         a, b = self.weights["a"], self.weights["b"]
         width = a.shape[1] // self.num_adapters
         slot_of_column = jnp.arange(a.shape[1]) // width
-        mask = (slot_of_column[None, :] == self.rows[:, None]).astype(jnp.float32)
-        h = jnp.einsum("btd,dr->btr", x, a, preferred_element_type=jnp.float32)
-        h = (h * mask[:, None, :]).astype(b.dtype)
-        return jnp.einsum("btr,ro->bto", h, b, preferred_element_type=jnp.float32)
+        mask = slot_of_column[None, None, :] == self.rows[:, None, None]
+        h = jnp.einsum("btd,dr->btr", x, a, preferred_element_type=b.dtype)
+        h = jnp.where(mask, h, jnp.zeros((), b.dtype))
+        return jnp.einsum("btr,ro->bto", h, b, preferred_element_type=b.dtype)
 
 
 def scope(lora: LoraBatch | None, *keys: str) -> LoraBatch | None:

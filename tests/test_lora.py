@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -9,6 +10,7 @@ from conftest import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, r
 
 import spark_jax as sj
 from spark_jax import engine
+from spark_jax.lora import LoraAdapter, LoraPool, LoraTarget
 from spark_jax.models import decoder
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,6 +73,35 @@ def test_changing_the_adapter_mix_never_recompiles(lora_setup):
     run(["mlp_r2", "attn_r8_rslora", "all_r4"])
     run([None, None, "attn_r8_rslora"])
     assert (decoder.prefill._cache_size(), engine._decode_chunk._cache_size()) == before
+
+
+def _bf16(v) -> np.ndarray:
+    return np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)
+
+
+def test_a_bf16_delta_rounds_like_the_fp32_low_rank_product_and_is_zero_for_base_rows():
+    rng = np.random.default_rng(5)
+    d, f, r = 64, 48, 4
+    pool = LoraPool({"m": LoraTarget(("lin",), 0, 1, d, 0, f, f)}, 3, 8, jnp.bfloat16)
+    adapters = [
+        LoraAdapter(
+            f"a{i}", r, 0.5, {"m": (rng.standard_normal((r, d)), rng.standard_normal((f, r)))}
+        )
+        for i in range(3)
+    ]
+    for adapter in adapters:
+        pool.add(adapter)
+    rows = np.array([-1, 2, 0, 1, -1])
+    x = jnp.asarray(rng.standard_normal((len(rows), 1, d)), jnp.bfloat16)
+    delta = pool.batch(rows).scope("lin").delta(x)
+    assert delta.dtype == jnp.bfloat16  # rounded inside the GEMM, no fp32 result to convert
+    delta = np.asarray(delta[:, 0], np.float32)
+    assert not delta[rows == -1].any()
+    for row, slot in enumerate(rows):
+        if slot >= 0:
+            a, b = adapters[slot].weights["m"]
+            h = _bf16(np.asarray(x[row, 0], np.float32) @ _bf16(a.T))
+            np.testing.assert_allclose(delta[row], _bf16(h @ _bf16(b.T * 0.5)), rtol=2**-7)
 
 
 def test_merged_adapter_equals_the_unmerged_output(lora_setup):
