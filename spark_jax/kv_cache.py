@@ -286,13 +286,15 @@ class EncoderDecoderCache(_Rows):
         )
 
     def gather_rows(self, source_rows: jax.Array, with_cross: bool) -> EncoderDecoderCache:
-        """Row r becomes a copy of row ``source_rows[r]`` (beam reordering).
+        """Row r becomes a copy of row ``source_rows[r]`` below its length (beam reordering).
 
         The cross-attention buffers are copied only ``with_cross``: beams of one request share
         their source, so reordering within a request never needs to move them.
         """
         take = lambda layers: tuple(x[source_rows] for x in layers)
-        fields = {"k": take(self.k), "v": take(self.v), "lengths": self.lengths[source_rows]}
+        lengths = self.lengths[source_rows]
+        k, v = _move_prefix(source_rows, jnp.max(lengths), self.k, self.v)
+        fields = {"k": k, "v": v, "lengths": lengths}
         if with_cross:
             fields |= {
                 "cross_k": take(self.cross_k),
@@ -300,3 +302,32 @@ class EncoderDecoderCache(_Rows):
                 "source_lengths": self.source_lengths[source_rows],
             }
         return dataclasses.replace(self, **fields)
+
+
+_REORDER_CHUNK = 32  # positions a beam reorder moves per loop iteration
+
+
+def _move_prefix(
+    source_rows: jax.Array, used: jax.Array, *layers: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], ...]:
+    """Row r of every [slots, S, ...] buffer becomes row ``source_rows[r]``, positions < used.
+
+    Positions at or past a row's length are never read, so only the chunks below ``used``
+    (a traced scalar) are moved: a beam step at length t moves ~t/S of each buffer. Each
+    chunk is gathered into a small temporary and written back in place; gathering whole
+    buffers wrote a full temporary that XLA then copied back, twice the bytes per step.
+    """
+    size = layers[0][0].shape[1]
+    chunk = _REORDER_CHUNK if size % _REORDER_CHUNK == 0 else size
+
+    def move(carry):
+        start, layers = carry
+
+        def part(x):
+            piece = jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)[source_rows]
+            return jax.lax.dynamic_update_slice_in_dim(x, piece, start, axis=1)
+
+        return start + chunk, tuple(tuple(map(part, buffers)) for buffers in layers)
+
+    _, layers = jax.lax.while_loop(lambda c: c[0] < used, move, (jnp.int32(0), layers))
+    return layers

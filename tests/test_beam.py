@@ -185,3 +185,28 @@ def test_the_device_search_loop_compiles_once_per_layout(runner):
     generate_beam(runner, waves, max_rows=16)
     assert beam._search_chunk._cache_size() == 1
     assert beam._start._cache_size() == 1
+
+
+@pytest.mark.parametrize("max_len", [96, 40])  # chunked prefix moves; one whole-buffer chunk
+def test_reordering_moves_every_valid_position_of_each_row(max_len):
+    """Row r ends up equal to row source[r] below its length, whatever part of the buffer the
+    reorder skips; cross K/V move only when asked."""
+    from spark_jax.kv_cache import EncoderDecoderCache
+
+    rng = np.random.default_rng(3)
+    cache = EncoderDecoderCache.create(2, 6, max_len, 8, 2, 4, np.float32)
+    fill = lambda xs: tuple(rng.normal(size=x.shape).astype(np.float32) for x in xs)
+    lengths = np.array([33, 5, 0, 70 % max_len, 12, 1], np.int32)
+    cache = EncoderDecoderCache(
+        fill(cache.k), fill(cache.v), fill(cache.cross_k), fill(cache.cross_v), lengths, lengths
+    )
+    source = np.array([3, 3, 0, 1, 4, 2], np.int32)
+    for with_cross in (False, True):
+        moved = cache.gather_rows(source, with_cross)
+        np.testing.assert_array_equal(moved.lengths, lengths[source])
+        for before, after in zip(cache.k + cache.v, moved.k + moved.v, strict=True):
+            for row, src in enumerate(source):
+                n = lengths[src]
+                np.testing.assert_array_equal(np.asarray(after)[row, :n], before[src, :n])
+        cross = (moved.cross_k[0], cache.cross_k[0][source] if with_cross else cache.cross_k[0])
+        np.testing.assert_array_equal(*cross)

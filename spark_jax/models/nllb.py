@@ -197,14 +197,20 @@ def _merge_heads(x: jax.Array) -> jax.Array:
 
 
 class SelfAttention(nn.Module):
-    """Biased multi-head self-attention; with ``cache`` (k, v) the new keys are appended first."""
+    """Biased multi-head self-attention; with ``cache`` (k, v) the new keys are appended first.
+
+    ``fresh``: every row starts at position 0, so it attends to the new keys alone and never
+    reads (gathers) its longer cache row.
+    """
 
     d_model: int
     num_heads: int
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x, mask, cache=None, slots=None, cache_positions=None, lora=None):
+    def __call__(
+        self, x, mask, cache=None, slots=None, cache_positions=None, lora=None, fresh=False
+    ):
         qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
         )
@@ -215,7 +221,8 @@ class SelfAttention(nn.Module):
                 write_kv(k_cache, k, slots, cache_positions),
                 write_kv(v_cache, v, slots, cache_positions),
             )
-            k, v = read_rows(cache[0], slots), read_rows(cache[1], slots)
+            if not fresh:
+                k, v = read_rows(cache[0], slots), read_rows(cache[1], slots)
         out = _merge_heads(attention(q, k, v, mask))
         out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
         return out_proj(out, scope(lora, "out_proj")), cache
@@ -287,10 +294,16 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
         self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
 
-    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions, lora):
+    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions, lora, fresh):
         """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read."""
         h, kv = self.self_attn(
-            self.self_attn_norm(x), self_mask, kv, slots, cache_positions, scope(lora, "self_attn")
+            self.self_attn_norm(x),
+            self_mask,
+            kv,
+            slots,
+            cache_positions,
+            scope(lora, "self_attn"),
+            fresh,
         )
         x = x + h
         cross_lora = scope(lora, "cross_attn")
@@ -337,12 +350,23 @@ class Nllb(nn.Module):
             kvs.append(layer.cross_attn.project_kv(encoder_hidden, layer_lora))
         return tuple(kvs)
 
-    def decode(self, tokens, starts, num_new, cross_kv, source_lengths, cache, slots, lora=None):
+    def decode(
+        self,
+        tokens,
+        starts,
+        num_new,
+        cross_kv,
+        source_lengths,
+        cache,
+        slots,
+        lora=None,
+        fresh=False,
+    ):
         """Runs tokens[B, T] at cache positions starts[b] + t; returns hidden and new (k, v)s.
 
         ``cross_kv`` holds each layer's (k, v) rows for this batch; ``cache`` the self-attention
         (k, v) buffers, written at rows ``slots`` (every row in order when None); ``lora`` the
-        adapter of each of the B rows.
+        adapter of each of the B rows; ``fresh``: every start is 0 (attention stays in tokens).
         """
         c = self.config
         cache_positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -355,7 +379,7 @@ class Nllb(nn.Module):
         for i, (layer, kv, layer_cross) in enumerate(layers):
             layer_lora = scope(lora, f"decoder_layers_{i}")
             x, kv = layer(
-                x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions, layer_lora
+                x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions, layer_lora, fresh
             )
             new_cache.append(kv)
         return self.decoder_norm(x), tuple(new_cache)
@@ -445,7 +469,16 @@ def prefill(
     starts = jnp.zeros_like(src_len)
     num_new = jnp.full_like(src_len, seed.shape[1])
     hidden, kvs = apply(
-        seed, starts, num_new, cross, src_len, _self_kv(cache), slots, lora, method=Nllb.decode
+        seed,
+        starts,
+        num_new,
+        cross,
+        src_len,
+        _self_kv(cache),
+        slots,
+        lora,
+        fresh=True,
+        method=Nllb.decode,
     )
     k, v = zip(*kvs, strict=True)
     cache = EncoderDecoderCache(
@@ -516,6 +549,7 @@ def forward(
         _self_kv(scratch),
         None,
         lora,
+        fresh=True,
         method=Nllb.decode,
     )
     return apply(hidden, method=Nllb.logits)
