@@ -10,6 +10,8 @@ Axes: B batch, T query length, S key length, N query heads, K kv heads, G = N / 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -206,11 +208,14 @@ def cache_attention(
 ) -> jax.Array:
     """Attention of q [B,T,N,H] over the cache rows ``slots`` (all rows if None).
 
-    A paged decode step on the GPU reads the pages in place; everything else reads the rows
-    out (a view of a dense cache, a gather of a paged one) and goes through ``attention``.
+    A paged decode step on the GPU reads the pages in place (unless ``forced_implementation``
+    names another path); everything else reads the rows out (a view of a dense cache, a
+    gather of a paged one) and goes through ``attention``.
     """
-    if isinstance(k_cache, PagedLayer) and cudnn_paged_applies(
-        q, k_cache, q.shape[0], sliding_window
+    if (
+        _FORCED[0] in (None, "cudnn")
+        and isinstance(k_cache, PagedLayer)
+        and cudnn_paged_applies(q, k_cache, q.shape[0], sliding_window)
     ):
         return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
     keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
@@ -261,6 +266,24 @@ def _is_hopper() -> bool:
 # The entry point.
 
 
+_FORCED: list[str | None] = [None]  # the override of ``forced_implementation``
+
+
+@contextlib.contextmanager
+def forced_implementation(name: str | None) -> Iterator[None]:
+    """Every attention traced inside runs ``name`` ("xla", "cudnn", "pallas"); None restores
+    the dispatch. It acts at trace time: programs already compiled keep what they traced
+    (``jax.clear_caches()`` first to re-trace them). For checks of one path against another.
+    """
+    if name not in (None, "xla", "cudnn", "pallas"):
+        raise ValueError(f"unknown implementation {name!r}: None, xla, cudnn or pallas")
+    previous, _FORCED[0] = _FORCED[0], name
+    try:
+        yield
+    finally:
+        _FORCED[0] = previous
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -274,8 +297,9 @@ def attention(
 
     ``implementation`` None picks (cuDNN for a decode step on the GPU, else the reference);
     "xla" forces the reference, "cudnn" and "pallas" force those kernels and raise where they
-    do not apply.
+    do not apply. ``forced_implementation`` overrides None.
     """
+    implementation = implementation or _FORCED[0]
     if implementation is None:
         if cudnn_decode_applies(q, k, sliding_window):
             return cudnn_decode_attention(q, k, v, mask, scale)

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -653,36 +654,46 @@ class Engine:
             if b * t <= self.max_batch_tokens
         ]
 
-    def warmup(self) -> None:
+    def warmup(self, compile_threads: int = 8) -> None:
         """Compiles every step shape (decode widths, prefill batches, sampler) up front.
 
-        Runs on rows out of range with an empty block table, so nothing is written. Inputs
-        are made the way a run makes them (``_upload``), so a run finds every program cached.
+        Every model step is first traced here and compiled on ``compile_threads`` threads (XLA
+        compiles outside the GIL; an 8B step takes seconds each), then run once on rows out of
+        range with an empty block table, so nothing is written. Inputs are made the way a run
+        makes them (``_upload``), so a run finds every program cached.
         """
         with self._lock:
-            nowhere, n = self.num_slots, self.num_slots
+            steps = [("decode", self._warm_decode_args(w)) for w in self.width_ladder]
+            steps += [("prefill", self._warm_prefill_args(*s)) for s in self.prefill_shapes()]
+            lowered = [getattr(self.runner, f"lower_{name}")(*a, **kw) for name, (a, kw) in steps]
+            with ThreadPoolExecutor(max(1, compile_threads)) as pool:
+                list(pool.map(lambda program: program.compile(), lowered))
             logits = self._zero_logits
             for width in self.width_ladder:
-                empty = _upload(np.full((n, width), self.allocator.num_pages, np.int32))
-                logits, self.state = self.runner.decode(
-                    self.state.with_block_table(empty).with_lengths(_upload(self._lengths)),
-                    _upload(np.zeros((n,), np.int32)),
-                    _upload(np.zeros((n,), bool)),
-                    **self._lora([-1] * n),
-                )
+                args, kwargs = self._warm_decode_args(width)
+                logits, self.state = self.runner.decode(*args, **kwargs)
             for rows, chunk in self.prefill_shapes():
-                chunk_logits, self.state = self.runner.prefill(
-                    self._device_state(self.max_pages_per_seq),
-                    [nowhere] * rows,
-                    [[0] * chunk] * rows,
-                    continuing=True,
-                    min_len=chunk,
-                    **self._lora([-1] * rows),
-                )
-                targets = _upload(np.full((rows,), nowhere, np.int32))
+                args, kwargs = self._warm_prefill_args(rows, chunk)
+                chunk_logits, self.state = self.runner.prefill(*args, **kwargs)
+                targets = _upload(np.full((rows,), self.num_slots, np.int32))
                 logits = _merge_rows(logits, chunk_logits, targets)
                 logits = _merge_rows(self._zero_logits, chunk_logits, targets)
             self._warm_sampler(logits)
+
+    def _warm_decode_args(self, width: int) -> tuple[tuple, dict[str, Any]]:
+        """A decode step of no active row over a block table ``width`` pages wide."""
+        n = self.num_slots
+        empty = _upload(np.full((n, width), self.allocator.num_pages, np.int32))
+        state = self.state.with_block_table(empty).with_lengths(_upload(self._lengths))
+        tokens, active = _upload(np.zeros((n,), np.int32)), _upload(np.zeros((n,), bool))
+        return (state, tokens, active), self._lora([-1] * n)
+
+    def _warm_prefill_args(self, rows: int, chunk: int) -> tuple[tuple, dict[str, Any]]:
+        """A prefill batch of ``rows`` x ``chunk`` tokens into slots out of range."""
+        state = self._device_state(self.max_pages_per_seq)
+        nowhere = [self.num_slots] * rows
+        kwargs = {"continuing": True, "min_len": chunk} | self._lora([-1] * rows)
+        return (state, nowhere, [[0] * chunk] * rows), kwargs
 
     def _warm_sampler(self, logits: jax.Array) -> None:
         n, vocab = self.num_slots, self.model.config.vocab_size

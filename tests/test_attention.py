@@ -116,3 +116,19 @@ def test_cudnn_paged_decode_attention_matches_the_gather_on_gpu(page_size):
     out = f32(att.cache_attention(q, k, v, None, mask))
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2
+
+
+def test_forced_implementation_overrides_the_dispatch_and_restores_it():
+    q, k, v, mask = _inputs(6, 2, 1, 8, 2, 16, 64)
+    with att.forced_implementation("xla"):
+        np.testing.assert_array_equal(
+            np.asarray(att.attention(q, k, v, mask)),
+            np.asarray(att.reference_attention(q, k, v, mask)),
+        )
+    if jax.default_backend() != "gpu":
+        with att.forced_implementation("cudnn"), pytest.raises(ValueError, match="cudnn"):
+            att.attention(q, k, v, mask)  # forced, and cuDNN does not apply off the GPU
+    att.attention(q, k, v, mask)  # the dispatch is back: no error
+    with pytest.raises(ValueError, match="unknown implementation"):
+        with att.forced_implementation("triton"):
+            pass

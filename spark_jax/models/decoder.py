@@ -367,22 +367,39 @@ class Runner:
         ladder of chunk sizes than ``bucket`` keeps to its own (fewer) compiled shapes.
         """
         del requests  # nothing per request changes a decoder prefill
+        args, kwargs = self._prefill_args(state, slots, prompts, continuing, adapters, min_len)
+        return prefill(*args, **kwargs)
+
+    def lower_prefill(
+        self,
+        state: KVCache,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        continuing: bool = False,
+        adapters: Sequence[int] | None = None,
+        min_len: int = 0,
+    ) -> jax.stages.Lowered:
+        """``prefill``'s program for these inputs, traced but neither compiled nor run (the
+        engine compiles its shapes on threads, then its calls find them compiled)."""
+        args, kwargs = self._prefill_args(state, slots, prompts, continuing, adapters, min_len)
+        return prefill.lower(*args, **kwargs)
+
+    def _prefill_args(self, state, slots, prompts, continuing, adapters, min_len):
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise ValueError("a prompt is empty; give at least one token.")
         tokens = np.zeros((len(prompts), bucket(max(*lengths, min_len))), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
-        return prefill(
+        args = (
             self.params,
             self.config,
             jnp.asarray(tokens),
             jnp.asarray(lengths, jnp.int32),
             jnp.asarray(slots, jnp.int32),
             state,
-            fresh=not continuing,
-            lora=self._lora(adapters),
         )
+        return args, {"fresh": not continuing, "lora": self._lora(adapters)}
 
     def decode(
         self,
@@ -393,6 +410,16 @@ class Runner:
     ) -> tuple[jax.Array, KVCache]:
         lora = self._lora(adapters)
         return decode(self.params, self.config, tokens, active, state, lora)
+
+    def lower_decode(
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        active: jax.Array,
+        adapters: Sequence[int] | None = None,
+    ) -> jax.stages.Lowered:
+        """``decode``'s program for these inputs, traced but neither compiled nor run."""
+        return decode.lower(self.params, self.config, tokens, active, state, self._lora(adapters))
 
     def verify(
         self,
