@@ -21,10 +21,11 @@ re-prefilled from prompt + generated tokens (recompute, as vLLM does). Its gener
 kept, so its sampler keys (seed, step index) continue where they stopped: a request's tokens
 are those it gets alone from ``sj.generate`` (greedy or seeded), whatever it is batched with.
 
-Scope: decoder-only models (the paged cache is written through the decoder's
-``write_kv``/``read_rows``). NLLB stays on ``sj.generate_batch`` (greedy and sampled) and
-``sj.generate_beam`` (beam search re-orders rows every step, which a per-request slot loop
-does not express); its encoder must see a whole source, so it gains nothing from chunking.
+Scope: this class batches decoder-only models (the paged cache is written through the
+decoder's ``write_kv``/``read_rows``). ``Engine(model)`` of an encoder-decoder (NLLB) model
+builds ``seq2seq_scheduler.EncoderDecoderEngine``: the same loop over a dense per-slot cache
+with whole-source prefill (greedy and sampled requests; beam search stays on
+``sj.generate_beam``, whose beams re-order their rows every step).
 """
 
 from __future__ import annotations
@@ -207,11 +208,6 @@ class Engine:
         min_chunk: int = MIN_CHUNK,
         min_decode_pages: int = MIN_DECODE_PAGES,
     ):
-        if model.config.is_encoder_decoder:
-            raise ValueError(
-                "Engine batches decoder-only models; for NLLB use sj.generate_batch "
-                "(greedy/sampled) or sj.generate_beam."
-            )
         for name, value in (("max_batch_tokens", max_batch_tokens), ("min_chunk", min_chunk)):
             if value < MIN_CHUNK or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= {MIN_CHUNK}, got {value}")
@@ -237,6 +233,17 @@ class Engine:
             # decode shape instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [self.max_pages_per_seq]
         self._init_host_state(kv_pages)
+        self._init_sync()
+
+    def __new__(cls, model: Any, *args: Any, **kwargs: Any) -> Engine:
+        """``Engine(model)`` of an encoder-decoder model is an ``EncoderDecoderEngine``."""
+        if cls is Engine and model.config.is_encoder_decoder:
+            from spark_jax.seq2seq_scheduler import EncoderDecoderEngine
+
+            cls = EncoderDecoderEngine
+        return super().__new__(cls)
+
+    def _init_sync(self) -> None:
         self._lock = threading.RLock()
         self._queues: dict[int, asyncio.Queue[RequestOutput]] = {}
         self._driver: asyncio.Task[None] | None = None
@@ -355,13 +362,11 @@ class Engine:
 
     def _admit(self, seq: _Sequence) -> None:
         seq.slot = self._free_slots.pop()
-        seq.prefill_target = len(seq.prompt) + len(seq.out.tokens)
-        seq.pages = self.allocator.allocate(self._pages_for(seq.prefill_target))
+        self._reserve(seq)
         seq.num_computed = 0
         seq.admitted = self._admissions
         self._admissions += 1
         self._slots[seq.slot] = seq
-        self._table[seq.slot, : len(seq.pages)] = seq.pages
         self._lengths[seq.slot] = 0
         self._batch = None
         vocab = self.model.config.vocab_size
@@ -375,11 +380,21 @@ class Engine:
             _upload(mask[:vocab]),
         )
 
+    def _reserve(self, seq: _Sequence) -> None:
+        """What an admitted sequence must compute before it samples, and its pages for it."""
+        seq.prefill_target = len(seq.prompt) + len(seq.out.tokens)
+        seq.pages = self.allocator.allocate(self._pages_for(seq.prefill_target))
+        self._table[seq.slot, : len(seq.pages)] = seq.pages
+
+    def _free(self, seq: _Sequence) -> None:
+        """Gives back the pages of a sequence leaving its slot."""
+        self.allocator.free(seq.pages)
+        self._table[seq.slot] = self.allocator.num_pages
+
     def _release(self, seq: _Sequence) -> None:
         """Gives back the slot and pages of a sequence (finish, abort, preemption, error)."""
         assert seq.slot is not None
-        self.allocator.free(seq.pages)
-        self._table[seq.slot] = self.allocator.num_pages
+        self._free(seq)
         self._lengths[seq.slot] = 0
         self._slots[seq.slot] = None
         self._free_slots.append(seq.slot)
@@ -484,6 +499,11 @@ class Engine:
         table = _upload(self._table[:, :width])
         return self.state.with_block_table(table).with_lengths(_upload(self._lengths))
 
+    def _decode_state(self) -> PagedKVCache:
+        """The cache a decode step reads: the block table as wide as the longest row needs."""
+        width = _rung(self.width_ladder, max(len(s.pages) for s in self._running()))
+        return self._device_state(width)
+
     def _run_decode(self, rows: list[_Sequence]) -> jax.Array:
         if not rows:
             return self._zero_logits
@@ -492,10 +512,9 @@ class Engine:
         for seq in rows:
             tokens[seq.slot] = seq.out.tokens[-1]
             active[seq.slot] = True
-        width = _rung(self.width_ladder, max(len(s.pages) for s in self._running()))
         adapters = [-1 if s is None else s.adapter for s in self._slots]
         logits, self.state = self.runner.decode(
-            self._device_state(width),
+            self._decode_state(),
             _upload(tokens),
             _upload(active),
             **self._lora(adapters),

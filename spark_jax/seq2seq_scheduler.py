@@ -1,0 +1,198 @@
+"""Continuous batching for encoder-decoder models (NLLB / M2M100): ``sj.Engine`` on one of them.
+
+The scheduling loop, the sampler, streaming, aborts and the asyncio API are ``Engine``'s; what
+differs is the cache and the prefill, so this subclass overrides only those hooks:
+
+- the cache is the runner's dense ``EncoderDecoderCache``: each slot holds its own decoder
+  keys (``max_model_len`` positions: the two seed tokens and the generated ones) and its
+  source's cross-attention keys (``max_source_len``). No pages, so no preemption: a request
+  waits for a free slot and, once admitted, always finishes.
+- the prefill is whole: the encoder attends in both directions, so a source is encoded at once
+  (with its cross K/V and the decoder seed ``[eos, tgt_lang]``), never in chunks. Sources
+  admitted in one step are prefilled as one batch, padded to a ladder of row counts with
+  copies of the first that write nowhere.
+
+Per-request ``src_lang`` / ``tgt_lang`` / ``adapter`` come from ``SamplingParams``; a
+request's tokens are those ``sj.generate`` gives it alone. Beam search stays on
+``sj.generate_beam`` (its beams reorder their rows every step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from spark_jax.models.common import bucket
+from spark_jax.sampling import SamplingParams
+from spark_jax.scheduler import (
+    SAMPLER_WIDTH,
+    Engine,
+    _commit,
+    _merge_rows,
+    _pow2_ladder,
+    _rung,
+    _Sequence,
+    _upload,
+)
+
+
+class EncoderDecoderEngine(Engine):
+    """``Engine`` over an encoder-decoder model (see the module docstring).
+
+    max_num_seqs: cache rows, i.e. translations decoded at once.
+    max_model_len: decoder positions per row: the 2 seed tokens plus the longest output
+        (default: the model's positions).
+    max_source_len: the longest source (default: the model's, positions - 2); the prefill
+        compiles one program per power-of-two source length up to it.
+    max_prefill_seqs: sources encoded in one step (the row ladder's top).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        max_source_len: int | None = None,
+        max_prefill_seqs: int = 8,
+    ):
+        self.model = model
+        self.runner = model.runner
+        self.num_slots = max_num_seqs
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_source_len = min(
+            max_source_len or self.runner.max_source_len, self.runner.max_source_len
+        )
+        self.row_ladder = _pow2_ladder(1, max(1, max_prefill_seqs))
+        self.source_ladder = _pow2_ladder(bucket(1), bucket(self.max_source_len))
+        self.width_ladder = []  # no block table: max_pages_per_seq 0 sizes the host's to nothing
+        self.max_pages_per_seq = 0
+        self.state = _commit(
+            self.runner.init_state(self.num_slots, self.max_model_len, self.max_source_len)
+        )
+        self._init_host_state(0)
+        self._init_sync()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _check(self, prompt: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"the source has token ids {bad[:5]} outside [0, {vocab}).")
+        self.runner.check_source(prompt, params)
+        self.runner.target_language_id(params)
+        if len(prompt) > self.max_source_len:
+            raise ValueError(
+                f"the source has {len(prompt)} tokens, past this engine's max_source_len="
+                f"{self.max_source_len}; split the text or raise max_source_len."
+            )
+        if params.max_tokens + 2 > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the 2 seed tokens is past this engine's "
+                f"max_model_len={self.max_model_len}; lower max_tokens."
+            )
+        stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.model.eos_token_ids)}
+        if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
+            raise ValueError(
+                f"at most {SAMPLER_WIDTH} stop token ids (EOS included) and logit_bias entries "
+                "per request: the engine's sampler has a fixed shape."
+            )
+
+    @property
+    def pages_in_use(self) -> int:
+        return 0  # a dense cache: slots only
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def _reserve(self, seq: _Sequence) -> None:
+        seq.prefill_target = len(seq.prompt)
+
+    def _free(self, seq: _Sequence) -> None:
+        pass  # the row's lengths are reset by its next prefill
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _schedule_decode(self) -> tuple[list[_Sequence], bool]:
+        return [s for s in self._running() if not s.prefilling], False
+
+    def _schedule_prefill(self, admit: bool) -> list[tuple[_Sequence, int]]:
+        """Admits waiting requests, first come first served, into free slots."""
+        rows: list[tuple[_Sequence, int]] = []
+        while admit and self._waiting and self._free_slots and len(rows) < self.row_ladder[-1]:
+            seq = self._waiting.popleft()
+            self._admit(seq)
+            rows.append((seq, len(seq.prompt)))
+        return rows
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _decode_state(self) -> Any:
+        return self.state
+
+    def _run_prefill(self, rows: list[tuple[_Sequence, int]], logits: Any) -> tuple[Any, list]:
+        """Encodes the admitted sources and seeds their decoders; merges their first logits."""
+        if not rows:
+            return logits, []
+        seqs = [s for s, _ in rows]
+        pad = _rung(self.row_ladder, len(seqs)) - len(seqs)
+        nowhere = self.num_slots  # a slot out of range: its writes are dropped
+        first = seqs[0]
+        slots = [s.slot for s in seqs] + [nowhere] * pad
+        prompts = [s.prompt for s in seqs] + [first.prompt] * pad
+        requests = [s.params for s in seqs] + [first.params] * pad
+        adapters = [s.adapter for s in seqs] + [-1] * pad
+        chunk_logits, self.state = self.runner.prefill(
+            self.state, slots, prompts, requests, **self._lora(adapters)
+        )
+        targets = np.full((len(slots),), nowhere, np.int32)
+        for i, seq in enumerate(seqs):
+            seq.num_computed = seq.prefill_target
+            targets[i] = seq.slot
+        return _merge_rows(logits, chunk_logits, _upload(targets)), seqs
+
+    # -- warm-up ----------------------------------------------------------------------------
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, source length) prefill batch the scheduler can form."""
+        return [(b, t) for b in self.row_ladder for t in self.source_ladder]
+
+    def warmup(self, compile_threads: int = 8) -> None:
+        """Compiles the decode step, every prefill shape and the sampler (no thread pool: the
+        runner's prefill validates and pads on the host, so its programs are compiled by
+        running them on rows out of range, which write nothing)."""
+        del compile_threads
+        with self._lock:
+            logits = self._zero_logits
+            n = self.num_slots
+            logits, self.state = self.runner.decode(
+                self.state,
+                _upload(np.zeros((n,), np.int32)),
+                _upload(np.zeros((n,), bool)),
+                **self._lora([-1] * n),
+            )
+            request = self._warmup_request()
+            eos = self.model.config.eos_token_id
+            for rows, length in self.prefill_shapes():
+                source = [eos] * min(length, self.max_source_len)
+                chunk_logits, self.state = self.runner.prefill(
+                    self.state, [n] * rows, [source] * rows, [request] * rows,
+                    **self._lora([-1] * rows),
+                )  # fmt: skip
+                targets = _upload(np.full((rows,), n, np.int32))
+                logits = _merge_rows(logits, chunk_logits, targets)
+                logits = _merge_rows(self._zero_logits, chunk_logits, targets)
+            self._warm_sampler(logits)
+
+    def _warmup_request(self) -> SamplingParams:
+        """A request whose target language the runner can map (the default, else English)."""
+        if self.runner.default_tgt_lang is not None:
+            return SamplingParams()
+        try:
+            self.runner.language_id("eng_Latn")
+        except ValueError as error:
+            raise ValueError(
+                "the engine cannot warm up without a target language it can map; give the "
+                "runner a default_tgt_lang."
+            ) from error
+        return SamplingParams(tgt_lang="eng_Latn")
