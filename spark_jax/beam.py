@@ -474,22 +474,26 @@ def _idle_search(table: _SlotTable, length: int) -> _Search:
     )
 
 
-class _Call:
-    """The host side of one ``generate_beam`` call: rows, request slots, waiting requests."""
+class BeamLane:
+    """Beam searches sharing one cache: rows, request slots, waiting requests, results.
 
-    def __init__(
-        self, runner: Any, requests: list[BeamRequest], adapters: list[int], max_rows: int | None
-    ):
-        self.runner, self.requests, self.adapters = runner, requests, adapters
+    The layout is fixed at creation (``beams`` per request at most, ``rows`` cache rows,
+    ``length`` positions, sources up to ``max_source``); requests are added at any time and
+    wait, in order, for rows. ``generate_beam`` sizes one per call; ``sj.Engine`` on an NLLB
+    model keeps one for its beam requests.
+    """
+
+    def __init__(self, runner: Any, beams: int, rows: int, length: int, max_source: int):
+        self.runner = runner
+        self.requests: list[BeamRequest] = []
+        self.adapters: list[int] = []
         self.use_lora = getattr(runner, "lora_pool", None) is not None
         self.eos = jnp.asarray(sorted(set(runner.eos_token_ids)), jnp.int32)
-        widest = max(r.num_beams for r in requests)
-        beams = bucket(widest, minimum=1)  # padded beams are masked: fewer distinct compiles
+        beams = bucket(beams, minimum=1)  # padded beams are masked: fewer distinct compiles
+        self.max_beams = min(beams, rows)
+        self.max_new = length - 2
         self.width = max(2, 1 + self.eos.shape[0]) * beams
-        rows = bucket(sum(r.num_beams for r in requests), minimum=8)
-        rows = max(min(rows, max_rows or _DEFAULT_MAX_ROWS), widest)
-        length = bucket(max(r.max_new for r in requests) + 2)
-        state = runner.init_state(rows, length, max(len(r.prompt_tokens) for r in requests))
+        state = runner.init_state(rows, length, max_source)
         # Every request holds at least one row, so rows request slots always suffice.
         self.table = _SlotTable(rows, beams, length)
         self.carry = _Carry(
@@ -499,14 +503,42 @@ class _Call:
             sequences=jnp.asarray(np.zeros((rows, length), np.int32)),
             search=_idle_search(self.table, length),
         )
-        self.pending = deque(enumerate(requests))
+        self.pending: deque[tuple[int, BeamRequest]] = deque()
         self.free_rows = list(range(rows))[::-1]
         self.free_slots = list(range(rows))[::-1]
         self.searching: dict[int, tuple[int, list[int]]] = {}  # slot -> (request, rows)
         self.finished: dict[int, tuple[int, list[int]]] = {}  # done, not yet read back
-        self.results: list[BeamResult | None] = [None] * len(requests)
+        self.results: dict[int, BeamResult] = {}  # request index -> result, until taken
         self.row_adapters = np.full(rows, -1, np.int32)
         self.lora = runner.lora_input(self.row_adapters) if self.use_lora else None
+
+    @classmethod
+    def for_requests(
+        cls, runner: Any, requests: list[BeamRequest], max_rows: int | None
+    ) -> BeamLane:
+        """A lane just large enough for ``requests`` (rows capped by ``max_rows``)."""
+        widest = max(r.num_beams for r in requests)
+        rows = bucket(sum(r.num_beams for r in requests), minimum=8)
+        rows = max(min(rows, max_rows or _DEFAULT_MAX_ROWS), widest)
+        length = bucket(max(r.max_new for r in requests) + 2)
+        return cls(runner, widest, rows, length, max(len(r.prompt_tokens) for r in requests))
+
+    def add(self, request: BeamRequest, adapter: int) -> int:
+        """Queues a validated request (see ``_check``); returns its index in this lane."""
+        if request.num_beams > self.max_beams or request.max_new > self.max_new:
+            raise ValueError(
+                f"num_beams={request.num_beams} and max_new={request.max_new} must be at most "
+                f"{self.max_beams} and {self.max_new} here; lower them or raise the limits."
+            )
+        index = len(self.requests)
+        self.requests.append(request)
+        self.adapters.append(adapter)
+        self.pending.append((index, request))
+        return index
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.searching or self.finished)
 
     def dispatch(self) -> jax.Array:
         """Starts a chunk of search steps; returns its live flags (int8[R]), still on device."""
@@ -544,11 +576,16 @@ class _Call:
             self.free_slots.append(slot)
         self.finished.clear()
 
-    def admit(self) -> None:
-        """Prefills the waiting requests that fit, in order, and runs their first step."""
+    def admit(self, limit: int | None = None) -> None:
+        """Prefills the waiting requests that fit (at most ``limit``), in order, and runs their
+        first step."""
         self.collect()
         admitted = []
-        while self.pending and self.pending[0][1].num_beams <= len(self.free_rows):
+        while (
+            self.pending
+            and self.pending[0][1].num_beams <= len(self.free_rows)
+            and (limit is None or len(admitted) < limit)
+        ):
             index, request = self.pending.popleft()
             slot = self.free_slots.pop()
             rows = [self.free_rows.pop() for _ in range(request.num_beams)]
@@ -590,7 +627,9 @@ def generate_beam(
     requests = list(requests)
     if not requests:
         return []
-    call = _Call(runner, requests, _check(runner, requests), max_rows)
+    call = BeamLane.for_requests(runner, requests, max_rows)
+    for request, adapter in zip(requests, _check(runner, requests), strict=True):
+        call.add(request, adapter)
     call.admit()
     flags = call.dispatch()
     while True:
@@ -605,4 +644,4 @@ def generate_beam(
             ahead = call.dispatch()
         flags = ahead
     call.collect()
-    return call.results
+    return [call.results[i] for i in range(len(requests))]

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from spark_jax.attention import cudnn_paged_applies
+from spark_jax.beam import BeamResult
 from spark_jax.engine import GenerationResult, TokenLogprobs, _Request
 from spark_jax.kv_cache import PagedKVCache
 from spark_jax.sampling import SamplerBatch, SamplingParams, count_tokens, sample
@@ -64,7 +65,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool = False
-    result: GenerationResult | None = None  # set when finished
+    result: GenerationResult | BeamResult | None = None  # set when finished
 
 
 class PageAllocator:

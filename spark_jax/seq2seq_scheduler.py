@@ -13,8 +13,15 @@ differs is the cache and the prefill, so this subclass overrides only those hook
   copies of the first that write nowhere.
 
 Per-request ``src_lang`` / ``tgt_lang`` / ``adapter`` come from ``SamplingParams``; a
-request's tokens are those ``sj.generate`` gives it alone. Beam search stays on
-``sj.generate_beam`` (its beams reorder their rows every step).
+request's tokens are those ``sj.generate`` gives it alone.
+
+Beam search requests (``add_beam_request(sj.BeamRequest(...))``) go through the same loop in
+a lane of their own: a ``beam.BeamLane`` with its own cache rows (beams reorder their rows
+every step, which the greedy slots never do). Each engine step admits waiting beam requests
+(up to the prefill ladder's top), runs one chunk of search steps for all of them as one batch
+and reports the requests that finished: one ``RequestOutput`` each, at the end, with the
+``BeamResult`` as its result (HF's beam search returns only finished hypotheses, so there is
+nothing to stream). A request's hypotheses are those ``sj.generate_beam`` gives it alone.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from spark_jax.beam import BeamLane, BeamRequest, BeamResult, _check
 from spark_jax.models.common import bucket
 from spark_jax.sampling import SamplingParams
 from spark_jax.scheduler import (
     SAMPLER_WIDTH,
     Engine,
+    RequestOutput,
     _commit,
     _merge_rows,
     _pow2_ladder,
@@ -46,6 +55,8 @@ class EncoderDecoderEngine(Engine):
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
         compiles one program per power-of-two source length up to it.
     max_prefill_seqs: sources encoded in one step (the row ladder's top).
+    max_num_beams: the beam lane's widest request (default: 8, at most max_num_seqs); the
+        lane has ``max_num_seqs`` cache rows of its own (waiting requests wait for rows).
     """
 
     def __init__(
@@ -55,7 +66,14 @@ class EncoderDecoderEngine(Engine):
         max_model_len: int | None = None,
         max_source_len: int | None = None,
         max_prefill_seqs: int = 8,
+        max_num_beams: int | None = None,
     ):
+        max_num_beams = max_num_beams or min(8, max_num_seqs)
+        if max_num_beams > max_num_seqs:
+            raise ValueError(
+                f"max_num_beams={max_num_beams} exceeds max_num_seqs={max_num_seqs}: a beam "
+                "request needs one cache row per beam; raise max_num_seqs."
+            )
         self.model = model
         self.runner = model.runner
         self.num_slots = max_num_seqs
@@ -72,6 +90,84 @@ class EncoderDecoderEngine(Engine):
         )
         self._init_host_state(0)
         self._init_sync()
+        self.max_num_beams = max_num_beams
+        self._new_beam_lane()
+
+    def _new_beam_lane(self) -> None:
+        # The same rows, length and sources as the greedy cache, committed like it, so the
+        # lane's prefills are the greedy path's compiled programs.
+        self.beams = BeamLane(
+            self.runner, self.max_num_beams, self.num_slots, self.max_model_len,
+            self.max_source_len,
+        )  # fmt: skip
+        self.beams.carry = _commit(self.beams.carry)
+        self._beam_ids: dict[int, int] = {}  # lane index -> request id
+        self._beam_aborted: set[int] = set()  # lane indices whose result is dropped
+
+    # -- beam requests ----------------------------------------------------------------------
+
+    def add_beam_request(self, request: BeamRequest) -> int:
+        """Queues a beam search; returns its request id (shared with ``add_request``'s)."""
+        (adapter,) = _check(self.runner, [request])
+        if len(request.prompt_tokens) > self.max_source_len:
+            raise ValueError(
+                f"the source has {len(request.prompt_tokens)} tokens, past this engine's "
+                f"max_source_len={self.max_source_len}; split the text or raise it."
+            )
+        with self._lock:
+            index = self.beams.add(request, adapter)
+            request_id = self._next_id
+            self._next_id += 1
+            self._beam_ids[index] = request_id
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stops a request; a beam search still waiting leaves the queue, a running one
+        finishes its search on the device but reports "abort" now and nothing after."""
+        with self._lock:
+            index = next((i for i, r in self._beam_ids.items() if r == request_id), None)
+            if index is None or index in self._beam_aborted:
+                return super().abort(request_id)
+            waiting = [item for item in self.beams.pending if item[0] == index]
+            if waiting:
+                self.beams.pending.remove(waiting[0])
+                del self._beam_ids[index]
+            else:
+                self._beam_aborted.add(index)
+            self._pending.append(RequestOutput(request_id, [], "", True, BeamResult([], [])))
+            return True
+
+    def _fail_all(self) -> None:
+        """After a failed step: every request ends, beam searches with an empty result."""
+        super()._fail_all()
+        for index, request_id in self._beam_ids.items():
+            if index not in self._beam_aborted:
+                self._pending.append(RequestOutput(request_id, [], "", True, BeamResult([], [])))
+        self._new_beam_lane()
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self._beam_ids)
+
+    def _step(self) -> list[RequestOutput]:
+        return super()._step() + self._beam_step()
+
+    def _beam_step(self) -> list[RequestOutput]:
+        """One chunk of search steps of every running beam request; their finished results."""
+        lane = self.beams
+        if not lane.busy:
+            return []
+        lane.admit(limit=self.row_ladder[-1])
+        lane.retire(np.asarray(lane.dispatch()))
+        lane.collect()
+        outputs = []
+        for index in [i for i in self._beam_ids if i in lane.results]:
+            result = lane.results.pop(index)
+            request_id = self._beam_ids.pop(index)
+            if index in self._beam_aborted:
+                self._beam_aborted.discard(index)
+            else:
+                outputs.append(RequestOutput(request_id, [], "", True, result))
+        return outputs
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -183,6 +279,21 @@ class EncoderDecoderEngine(Engine):
                 logits = _merge_rows(logits, chunk_logits, targets)
                 logits = _merge_rows(self._zero_logits, chunk_logits, targets)
             self._warm_sampler(logits)
+            self._warm_beam_lane(request.tgt_lang)
+
+    def _warm_beam_lane(self, tgt_lang: str | None) -> None:
+        """Runs 1 .. (prefill ladder top) one-step searches at once: the programs that depend
+        on how many requests one step admits, then the search chunk itself."""
+        eos = self.model.config.eos_token_id
+        dummy = BeamRequest([eos] * 4, tgt_lang=tgt_lang, num_beams=1, max_new=1)
+        for n in range(1, min(self.row_ladder[-1], self.num_slots) + 1):
+            for _ in range(n):
+                self.beams.add(dummy, -1)
+            while self.beams.busy:
+                self.beams.admit(limit=n)
+                self.beams.retire(np.asarray(self.beams.dispatch()))
+                self.beams.collect()
+            self.beams.results.clear()
 
     def _warmup_request(self) -> SamplingParams:
         """A request whose target language the runner can map (the default, else English)."""
