@@ -221,3 +221,25 @@ def test_a_merged_adapter_equals_the_unmerged_output(lora_setup):
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def test_engine_translations_and_beams_with_mixed_adapters_equal_their_solo_results(lora_setup):
+    """``sj.Engine`` on NLLB, greedy and beam requests over 3 adapters + base in one loop."""
+    _, model, _ = lora_setup
+    sources = nf.random_sources(seed=41, count=6)
+    batcher = sj.Engine(model, max_num_seqs=8, max_model_len=32, max_num_beams=4)
+    greedy = [sj.SamplingParams(temperature=0.0, max_tokens=10, adapter=a) for a in MIXED]
+    beams = [
+        BeamRequest(s, num_beams=2, max_new=8, adapter=a)
+        for s, a in zip(sources, MIXED, strict=True)
+    ]
+    ids = [batcher.add_request(s, p) for s, p in zip(sources, greedy, strict=True)]
+    ids += [batcher.add_beam_request(b) for b in beams]
+    results = {o.request_id: o.result for o in batcher.run() if o.finished}
+    solo = [
+        engine.generate(model, s, p).output_tokens for s, p in zip(sources, greedy, strict=True)
+    ]
+    assert [results[i].output_tokens for i in ids[:6]] == solo
+    alone = [generate_beam(model, [b])[0].sequences for b in beams]
+    assert [results[i].sequences for i in ids[6:]] == alone
+    assert batcher.slots_in_use == 0 and not batcher.beams.busy
