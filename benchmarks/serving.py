@@ -73,6 +73,18 @@ class Plan:
     hf_requests: int = 128
     dtype: str = "bfloat16"
 
+    def engine_kwargs(self) -> dict[str, int]:
+        """``sj.Engine`` keyword arguments of this plan's engine."""
+        return dict(
+            max_num_seqs=self.engine_slots,
+            max_batch_tokens=self.max_batch_tokens,
+            page_size=self.page_size,
+            max_model_len=self.max_model_len,
+            max_prefill_seqs=self.max_prefill_seqs,
+            min_chunk=self.min_chunk,
+            min_decode_pages=self.min_decode_pages,
+        )
+
 
 FULL = Plan(LLAMA3_8B)
 SMALL = Plan(
@@ -132,16 +144,7 @@ def build_engine(plan: Plan) -> tuple[Any, dict[str, float]]:
     start = time.perf_counter()
     params = decoder.init_params(plan.config, jax.random.key(0), plan.dtype)
     model = sj.Model(plan.config, params)
-    engine = Engine(
-        model,
-        max_num_seqs=plan.engine_slots,
-        max_batch_tokens=plan.max_batch_tokens,
-        page_size=plan.page_size,
-        max_model_len=plan.max_model_len,
-        max_prefill_seqs=plan.max_prefill_seqs,
-        min_chunk=plan.min_chunk,
-        min_decode_pages=plan.min_decode_pages,
-    )
+    engine = Engine(model, **plan.engine_kwargs())
     built = time.perf_counter()
     engine.warmup()
     timings = {"init_s": built - start, "warmup_s": time.perf_counter() - built}

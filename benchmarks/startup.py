@@ -77,16 +77,7 @@ def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
     times["load_s"] = time.perf_counter() - start
 
     mark = time.perf_counter()
-    engine = Engine(
-        model,
-        max_num_seqs=plan.engine_slots,
-        max_batch_tokens=plan.max_batch_tokens,
-        page_size=plan.page_size,
-        max_model_len=plan.max_model_len,
-        max_prefill_seqs=plan.max_prefill_seqs,
-        min_chunk=plan.min_chunk,
-        min_decode_pages=plan.min_decode_pages,
-    )
+    engine = Engine(model, **plan.engine_kwargs())
     times["engine_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()

@@ -105,6 +105,16 @@ def _commit(tree: Any) -> Any:
     return jax.device_put(tree, jax.devices()[0])
 
 
+def _check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """The engine's sampler has a fixed width of stop ids and logit-bias entries per row."""
+    stops = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+    if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
+        raise ValueError(
+            f"at most {SAMPLER_WIDTH} stop token ids (EOS included) and logit_bias entries "
+            "per request: the engine's sampler has a fixed shape."
+        )
+
+
 def _rung(ladder: Sequence[int], n: int) -> int:
     return next(r for r in ladder if r >= n)
 
@@ -322,12 +332,7 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens and asks for {params.max_tokens} more, "
                 f"past max_model_len={self.max_model_len}; shorten it or lower max_tokens."
             )
-        stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.model.eos_token_ids)}
-        if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
-            raise ValueError(
-                f"at most {SAMPLER_WIDTH} stop token ids (EOS included) and logit_bias entries "
-                "per request: the engine's sampler has a fixed shape."
-            )
+        _check_sampler_width(params, self.model.eos_token_ids)
         if math.ceil(total / self.page_size) > self.allocator.num_pages:
             raise ValueError(
                 f"{total} tokens need more than the {self.allocator.num_pages} KV pages of "

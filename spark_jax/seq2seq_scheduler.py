@@ -34,9 +34,9 @@ from spark_jax.beam import BeamLane, BeamRequest, BeamResult, _check
 from spark_jax.models.common import bucket
 from spark_jax.sampling import SamplingParams
 from spark_jax.scheduler import (
-    SAMPLER_WIDTH,
     Engine,
     RequestOutput,
+    _check_sampler_width,
     _commit,
     _merge_rows,
     _pow2_ladder,
@@ -188,12 +188,7 @@ class EncoderDecoderEngine(Engine):
                 f"max_tokens={params.max_tokens} plus the 2 seed tokens is past this engine's "
                 f"max_model_len={self.max_model_len}; lower max_tokens."
             )
-        stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.model.eos_token_ids)}
-        if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
-            raise ValueError(
-                f"at most {SAMPLER_WIDTH} stop token ids (EOS included) and logit_bias entries "
-                "per request: the engine's sampler has a fixed shape."
-            )
+        _check_sampler_width(params, self.model.eos_token_ids)
 
     @property
     def pages_in_use(self) -> int:
