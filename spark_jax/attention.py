@@ -258,6 +258,46 @@ def pallas_decode_attention(
     )
 
 
+def pallas_prefill_applies(q: jax.Array, k: jax.Array, sliding_window: int | None) -> bool:
+    """True where the flash-attention kernel runs: no window, T and S multiples of its blocks,
+    head dim 64 or 128; bf16/f16 on Hopper, or the CPU interpreter."""
+    from pallas_kernels.flash_attention import flash_attention_applies
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+        return False
+    return sliding_window is None and flash_attention_applies(q, k)
+
+
+def pallas_prefill_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, scale: float | None = None
+) -> jax.Array:
+    """q [B,T,N,H] over k/v [B,S,K,H] with the flash-attention kernel (interpreted off the GPU).
+
+    The models' masks put query t of row b at ``query_positions[b, 0] + t`` and its keys below
+    ``key_lengths[b]``: the kernel's convention with ``key_lengths - query_positions[:, 0]``
+    real queries (the rest is padding, whose output is zeros). Without causality the queries'
+    positions do not matter: every query is real.
+    """
+    from pallas_kernels.flash_attention import flash_attention
+
+    t = q.shape[1]
+    if mask.causal:
+        query_lengths = jnp.clip(mask.key_lengths - mask.query_positions[:, 0], 0, t)
+    else:
+        query_lengths = jnp.full_like(mask.key_lengths, t)
+    return flash_attention(
+        q,
+        k,
+        v,
+        query_lengths,
+        mask.key_lengths,
+        causal=mask.causal,
+        scale=scale,
+        interpret=jax.default_backend() != "gpu",
+    )
+
+
 def _is_hopper() -> bool:
     return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
@@ -314,11 +354,14 @@ def attention(
             )
         return cudnn_decode_attention(q, k, v, mask, scale)
     if implementation == "pallas":
-        if not pallas_decode_applies(q, k, mask, sliding_window):
-            raise ValueError(
-                "implementation='pallas' needs T*G <= 64 query rows per kv head, head dim and "
-                "key length multiples of 64, no sliding window, and bf16/f16 on Hopper; pass "
-                "implementation=None to let the dispatch choose."
-            )
-        return pallas_decode_attention(q, k, v, mask, scale)
+        if pallas_decode_applies(q, k, mask, sliding_window):
+            return pallas_decode_attention(q, k, v, mask, scale)
+        if pallas_prefill_applies(q, k, sliding_window):
+            return pallas_prefill_attention(q, k, v, mask, scale)
+        raise ValueError(
+            "implementation='pallas' needs no sliding window, bf16/f16 on Hopper, and either "
+            "T*G <= 64 query rows per kv head with head dim and key length multiples of 64 "
+            "(decode) or T and S multiples of 64 with head dim 64 or 128 (flash prefill); "
+            "pass implementation=None to let the dispatch choose."
+        )
     raise ValueError(f"unknown implementation {implementation!r}: None, xla, cudnn or pallas")

@@ -1,0 +1,342 @@
+"""FlashAttention prefill on Mosaic GPU: many query tokens per row against ragged keys.
+
+The kernel runs one program per (query head n, query block i of ``block_q`` rows, batch row b).
+A program copies its query block into shared memory once, then walks the key blocks of its
+kv head (n // G) with an online softmax: the running row max and row sum stay in fp32
+registers, the output accumulator too, and each step rescales them by the new max. QK^T and
+PV run on the tensor cores (wgmma); K and V blocks arrive by TMA into two shared-memory slots,
+the next block's copy issued before the current block's math, so loads overlap compute.
+
+Ragged batches cost nothing for the padding. Row b has ``query_lengths[b]`` real queries and
+``key_lengths[b]`` real keys; query t sits at position ``key_lengths[b] - query_lengths[b] +
+t`` (the queries are the last keys: a fresh prefill, or a chunk appended to a cached prefix).
+A program walks only the key blocks below its row's length and, if causal, at or below its
+last query's position; a query block wholly past the row's query length walks none and writes
+zeros. Key blocks fully visible to every query of the block skip the mask arithmetic. Query
+rows past the length, and rows that see no key at all, come out as zeros, never NaN. Causal
+programs run the longest query blocks first, so the short ones fill the tail.
+
+Non-causal with query lengths T covers encoder self-attention and NLLB's cross-attention
+(padded source lengths as ``key_lengths``).
+
+Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's CPU interpreter. Its
+differences, all layout-only, are shared with ``decode_attention`` (K^T materialised in shared
+memory, no register layouts), plus two here: its wgmma takes no register operand, so P goes
+through shared memory, and it has no ``run_state``, so PV lands in a fresh accumulator that is
+then added to the running one.
+
+Axes: B batch, T query tokens, S key slots, N query heads, K kv heads, G = N / K, H head dim,
+Q rows per query block, L keys per key block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.decode_attention import (
+    _interpret_params,
+    _iota,
+    _smem_transforms,
+    _transposed_keys,
+    _with_layout,
+)
+from spark_jax.attention import AttentionMask, reference_attention
+
+_LOG2E = math.log2(math.e)
+_NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero
+
+
+def flash_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_lengths: jax.Array | None = None,
+    key_lengths: jax.Array | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> jax.Array:
+    """The jnp reference: ``reference_attention`` with the kernel's mask convention, rows
+    past the query length or without a visible key set to zero."""
+    query_lengths, key_lengths = _lengths(q, k, query_lengths, key_lengths)
+    mask = attention_mask(q.shape[1], query_lengths, key_lengths, causal)
+    out = reference_attention(q, k, v, mask, scale=scale)
+    live = mask.dense(k.shape[1]).any(axis=-1) & (jnp.arange(q.shape[1]) < query_lengths[:, None])
+    return jnp.where(live[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def attention_mask(
+    num_queries: int, query_lengths: jax.Array, key_lengths: jax.Array, causal: bool
+) -> AttentionMask:
+    """The AttentionMask of the kernel's convention: query t of row b at position
+    ``key_lengths[b] - query_lengths[b] + t``."""
+    offset = key_lengths.astype(jnp.int32) - query_lengths.astype(jnp.int32)
+    positions = offset[:, None] + jnp.arange(num_queries, dtype=jnp.int32)[None]
+    return AttentionMask(positions, key_lengths.astype(jnp.int32), causal=causal)
+
+
+def flash_attention_applies(
+    q: jax.Array, k: jax.Array, block_q: int = 64, block_k: int | None = None
+) -> bool:
+    """True where the kernel's static constraints hold (any backend; the dtype is checked by
+    the caller: the tensor cores take bf16/f16, the interpreter any float)."""
+    _, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    block_k = default_block_k(h) if block_k is None else block_k
+    return (
+        n % kv_heads == 0
+        and h in (64, 128)
+        and block_q in (64, 128)
+        and block_k in (64, 128)
+        and t % block_q == 0
+        and s % block_k == 0
+        and k.dtype == q.dtype
+    )
+
+
+def default_block_k(h: int) -> int:
+    """Keys per block: 64 at head dim 128 keeps a program's shared memory (Q, two K and two V
+    slots: 80 KiB in bf16) small enough for two programs per SM, whose softmax and tensor-core
+    phases then interleave; at head dim 64, 128 keys fit three."""
+    return 64 if h == 128 else 128
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_lengths: jax.Array | None = None,
+    key_lengths: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_q: int = 64,
+    block_k: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """q [B,T,N,H] over k/v [B,S,K,H] -> [B,T,N,H] in q's dtype.
+
+    Row b has ``query_lengths[b]`` queries (default T) and ``key_lengths[b]`` keys (default
+    S); query t sits at key position ``key_lengths[b] - query_lengths[b] + t`` and, if
+    ``causal``, sees keys up to that position. Rows past the query length and rows that see
+    no key give zeros. ``block_q`` (Q, 64 or 128) divides T, ``block_k`` (L, 64 or 128;
+    ``default_block_k``) divides S: pad the shapes, not the lengths.
+    """
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    block_k = default_block_k(h) if block_k is None else block_k
+    if not flash_attention_applies(q, k, block_q, block_k):
+        raise ValueError(
+            f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, {block_k=}"
+        )
+    query_lengths, key_lengths = _lengths(q, k, query_lengths, key_lengths)
+    scale = h**-0.5 if scale is None else float(scale)
+    run = _flash_kernel(
+        b, t, s, n, kv_heads, h, block_q, block_k, q.dtype, causal, scale, interpret
+    )
+    return run(query_lengths, key_lengths, q, k, v)
+
+
+def _lengths(
+    q: jax.Array, k: jax.Array, query_lengths: jax.Array | None, key_lengths: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    b = q.shape[0]
+    if query_lengths is None:
+        query_lengths = jnp.full((b,), q.shape[1])
+    if key_lengths is None:
+        key_lengths = jnp.full((b,), k.shape[1])
+    return query_lengths.astype(jnp.int32), key_lengths.astype(jnp.int32)
+
+
+def _flash_kernel(
+    b: int,
+    t: int,
+    s: int,
+    n: int,
+    kv_heads: int,
+    h: int,
+    block_q: int,
+    block_k: int,
+    dtype: jnp.dtype,
+    causal: bool,
+    scale: float,
+    interpret: bool,
+) -> Callable[..., jax.Array]:
+    """The Mosaic GPU kernel: (query lengths, key lengths, q, k, v) -> out [B,T,N,H]."""
+    group = n // kv_heads
+    num_q_blocks = t // block_q
+    tiled = _smem_transforms(dtype)
+
+    def body(
+        # Inputs (GMEM).
+        q_lengths_gmem,  # int32[B]
+        k_lengths_gmem,  # int32[B]
+        q_gmem,  # [B, T, N, H]
+        k_gmem,  # [B, S, K, H]
+        v_gmem,  # [B, S, K, H]
+        # Output (GMEM).
+        out_gmem,  # [B, T, N, H]
+        # Scratch (SMEM).
+        q_smem,  # [Q, H] the query block, then the output block on its way out
+        k_smem,  # [2, L, H] two slots: block j in slot j % 2
+        v_smem,  # [2, L, H]
+        kt_smem,  # [H, L] K^T, interpret mode only (else None)
+        p_smem,  # [Q, L] probabilities, the PV product's A operand, interpret mode only
+        q_barrier,  # 1 TMA barrier
+        k_barriers,  # 2 TMA barriers, one per slot
+        v_barriers,  # 2 TMA barriers, one per slot
+    ):
+        head, row = lax.axis_index("n"), lax.axis_index("b")
+        q_block = lax.axis_index("q")
+        if causal:  # the longest (last) query blocks first
+            q_block = num_q_blocks - 1 - q_block
+        kv_head = lax.div(head, group)
+        q_start = q_block * block_q
+        q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
+        offset = k_length - q_length  # the key position of query 0
+        live_rows = jnp.clip(q_length - q_start, 0, block_q)
+        full_steps, num_steps = _key_blocks(q_start, q_length, k_length, block_q, block_k, causal)
+
+        def fetch(step):
+            slot, keys = lax.rem(step, 2), pl.ds(step * block_k, block_k)
+            plgpu.copy_gmem_to_smem(
+                k_gmem.at[row, keys, kv_head], k_smem.at[slot], k_barriers.at[slot]
+            )
+            plgpu.copy_gmem_to_smem(
+                v_gmem.at[row, keys, kv_head], v_smem.at[slot], v_barriers.at[slot]
+            )
+
+        @pl.when(num_steps > 0)
+        def _prologue():
+            queries = q_gmem.at[row, pl.ds(q_start, block_q), head]
+            plgpu.copy_gmem_to_smem(queries, q_smem, q_barrier.at[0])
+            fetch(0)
+            plgpu.barrier_wait(q_barrier.at[0])
+
+        def visible(j):
+            """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
+            before the position of query q_start + r."""
+            keys = _iota((block_q, block_k), 1, interpret) + j * block_k
+            seen = keys < k_length
+            if causal:
+                seen &= keys <= _iota((block_q, block_k), 0, interpret) + (offset + q_start)
+            return seen
+
+        def step(j, carry, masked: bool):
+            acc, row_max, row_sum = carry
+            slot = lax.rem(j, 2)
+
+            # Slot (j + 1) % 2 was last read by step j - 1, whose products are complete.
+            @pl.when(j + 1 < num_steps)
+            def _prefetch():
+                fetch(j + 1)
+
+            plgpu.barrier_wait(k_barriers.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, _transposed_keys(k_smem.at[slot], kt_smem, interpret))
+                return acc_ref[...]
+
+            scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+            scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
+            if masked:
+                scores = jnp.where(visible(j), scores, -jnp.inf)
+            new_max = jnp.maximum(row_max, scores.max(axis=1))
+            rescale = jnp.exp2(row_max - new_max)
+            probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+            row_sum = row_sum * rescale + probs.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+            plgpu.barrier_wait(v_barriers.at[slot])
+            acc = _add_pv(acc, probs.astype(dtype), v_smem.at[slot], p_smem, interpret)
+            return acc, new_max, row_sum
+
+        reduced = plgpu.Layout.WGMMA.reduce(1)
+        carry = (
+            _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
+            _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
+            _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
+        )
+        carry = lax.fori_loop(0, full_steps, lambda j, c: step(j, c, masked=False), carry)
+        acc, _, row_sum = lax.fori_loop(
+            full_steps, num_steps, lambda j, c: step(j, c, masked=True), carry
+        )
+
+        # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
+        inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
+        out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
+        live = _iota((block_q, h), 0, interpret) < live_rows
+        q_smem[...] = jnp.where(live, out, 0.0).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[row, pl.ds(q_start, block_q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((block_q, h), dtype, transforms=tiled),
+        plgpu.SMEM((2, block_k, h), dtype, transforms=tiled),
+        plgpu.SMEM((2, block_k, h), dtype, transforms=tiled),
+        plgpu.SMEM((h, block_k), dtype) if interpret else None,
+        plgpu.SMEM((block_q, block_k), dtype, transforms=tiled) if interpret else None,
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2),
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, t, n, h), dtype),
+        scratch_types=scratch,
+        # Heads vary fastest: the G heads of one kv head run side by side and share its K/V
+        # blocks in L2.
+        grid=(n, num_q_blocks, b),
+        grid_names=("n", "q", "b"),
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )
+
+
+def _key_blocks(
+    q_start: jax.Array,
+    q_length: jax.Array,
+    k_length: jax.Array,
+    block_q: int,
+    block_k: int,
+    causal: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """(full, total) key blocks of the query block at ``q_start``: blocks [0, total) hold a
+    key visible to one of its live queries, and blocks [0, full) only keys visible to all
+    of them (no mask needed). A block with no live query walks none."""
+    offset = k_length - q_length  # the key position of query 0
+    live_rows = jnp.clip(q_length - q_start, 0, block_q)
+    if causal:
+        key_end = jnp.minimum(k_length, offset + q_start + live_rows)
+        full_end = jnp.minimum(k_length, offset + q_start + 1)
+    else:
+        key_end = full_end = k_length
+    total = jnp.where(live_rows > 0, pl.cdiv(jnp.maximum(key_end, 0), block_k), 0)
+    return jnp.minimum(lax.div(jnp.maximum(full_end, 0), block_k), total), total
+
+
+def _add_pv(acc: jax.Array, probs: jax.Array, v_slot, p_smem, interpret: bool) -> jax.Array:
+    """acc + P @ V on the tensor cores. On the GPU P stays in registers and the product
+    accumulates into acc in place; the interpreter's wgmma reads P from shared memory and
+    has no ``run_state``, so the product lands in a fresh accumulator and is added."""
+    if not interpret:
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, probs, v_slot)
+
+        return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+    p_smem[...] = probs
+    plgpu.commit_smem()
+
+    def pv_fresh(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_slot)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))

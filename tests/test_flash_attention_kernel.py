@@ -1,0 +1,165 @@
+"""The FlashAttention prefill kernel (Mosaic GPU) against its jnp reference.
+
+Off the GPU the kernel runs in Mosaic GPU's interpreter on small shapes; on a GPU the same
+checks run compiled, plus one on a bigger shape. Lengths are never multiples of the blocks.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import flash_attention as fa
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, n, h), (b, s, kv_heads, h), (b, s, kv_heads, h)]
+    return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
+
+
+@partial(jax.jit, static_argnames=["causal", "block_q", "block_k"])
+def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64):
+    return fa.flash_attention(
+        q,
+        k,
+        v,
+        query_lengths,
+        key_lengths,
+        causal=causal,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=not ON_GPU,
+    )
+
+
+def _reference(q, k, v, query_lengths, key_lengths, causal):
+    up = (x.astype(jnp.float32) for x in (q, k, v))
+    return fa.flash_attention_reference(*up, query_lengths, key_lengths, causal)
+
+
+def _relative_error(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# (t, s, n, kv_heads, h, query lengths, key lengths, causal, block_q, block_k)
+CASES = {
+    # Prefill of ragged prompts, GQA 1; the second row is idle (no queries: all zeros).
+    "causal_gqa1": (128, 128, 2, 2, 64, [100, 0], [100, 0], True, 64, 64),
+    # GQA 4, queries appended to a cached prefix (key length > query length).
+    "causal_gqa4_prefix": (128, 192, 8, 2, 64, [70, 128], [131, 150], True, 64, 64),
+    # GQA 8, one 128-row query block; a row with keys but fewer than its queries (its first
+    # queries see no key: zeros) and a row with queries but no keys (zeros).
+    "causal_gqa8_unseen": (128, 128, 8, 1, 64, [90, 40], [50, 0], True, 128, 64),
+    # NLLB cross-attention: padded target queries over padded source lengths, non-causal.
+    "cross_gqa4": (64, 256, 4, 1, 64, [37, 64], [200, 77], False, 64, 128),
+    # Head dim 128, GQA 4, 128-key blocks.
+    "causal_h128": (128, 128, 4, 1, 128, [128, 81], [128, 97], True, 64, 128),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_flash_attention_matches_the_reference(case, dtype, tolerance):
+    t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
+    q, k, v = _inputs(1, 2, t, s, n, kv_heads, h, dtype)
+    q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _reference(q, k, v, q_len, k_len, causal)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _relative_error(out, ref) <= tolerance
+    padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]  # queries past the length
+    assert (np.asarray(out, np.float32)[padding] == 0).all()
+
+
+def test_flash_attention_never_reads_past_the_lengths():
+    """NaN in every key block past a row's key length and in every query past its query
+    length: the kernel's output stays finite (and right), so those blocks were never read."""
+    q, k, v = _inputs(2, 2, 128, 192, 4, 2, 64, jnp.float32)
+    q_len, k_len = jnp.asarray([60, 128], jnp.int32), jnp.asarray([64, 120], jnp.int32)
+    ref = _reference(q, k, v, q_len, k_len, causal=True)
+    keys_past = (jnp.arange(192)[None, :] >= jnp.asarray([64, 128])[:, None])[..., None, None]
+    queries_past = (jnp.arange(128)[None, :] >= q_len[:, None])[..., None, None]
+    k, v = (jnp.where(keys_past, jnp.nan, x) for x in (k, v))
+    q = jnp.where(queries_past, jnp.nan, q)
+    out = _kernel(q, k, v, q_len, k_len, causal=True)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_key_blocks_skip_exactly_the_invisible_blocks(causal):
+    """Against the dense mask, for every query block: the walked key blocks are those with a
+    key visible to a live query, and the unmasked ones those visible to every live query."""
+    t, s, block_q, block_k = 256, 320, 64, 64
+    lengths = [(0, 0), (0, 100), (1, 1), (50, 50), (100, 300), (256, 256), (256, 320), (200, 30)]
+    for q_len, k_len in lengths:
+        q_lengths, k_lengths = jnp.asarray([q_len]), jnp.asarray([k_len])
+        mask = fa.attention_mask(t, q_lengths, k_lengths, causal)
+        dense = np.asarray(mask.dense(s)[0]) & (np.arange(t) < q_len)[:, None]
+        for q_start in range(0, t, block_q):
+            full, total = fa._key_blocks(
+                jnp.int32(q_start), q_lengths[0], k_lengths[0], block_q, block_k, causal
+            )
+            tiles = dense[q_start : q_start + block_q].reshape(block_q, -1, block_k)
+            live = tiles[: max(0, min(block_q, q_len - q_start))]
+            any_visible = tiles.any(axis=(0, 2))
+            all_visible = live.all(axis=(0, 2)) & (live.shape[0] > 0)
+            assert int(total) == (np.flatnonzero(any_visible).max() + 1 if any_visible.any() else 0)
+            assert int(full) == int(np.argmin(np.append(all_visible, False)))
+            assert all_visible[: int(full)].all()
+
+
+def test_flash_attention_declines_what_it_cannot_run():
+    q, k = jnp.zeros((1, 128, 8, 64)), jnp.zeros((1, 256, 2, 64))
+    assert fa.flash_attention_applies(q, k)
+    assert fa.flash_attention_applies(q, k, block_q=128, block_k=64)
+    assert not fa.flash_attention_applies(q[:, :100], k)  # T not a multiple of the block
+    assert not fa.flash_attention_applies(q, k[:, :200])  # S not a multiple of the block
+    assert not fa.flash_attention_applies(q[..., :7, :], k)  # 7 heads over 2 kv heads
+    assert not fa.flash_attention_applies(jnp.zeros((1, 128, 8, 96)), jnp.zeros((1, 256, 2, 96)))
+    assert not fa.flash_attention_applies(q, k.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="does not apply"):
+        fa.flash_attention(q[:, :100], k, k, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
+@pytest.mark.parametrize(
+    "causal, t, s, lengths",
+    [(True, 1024, 1024, ([1024, 700], [1024, 900])), (False, 256, 1024, ([256, 31], [977, 400]))],
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_flash_attention_on_gpu_matches_the_reference(causal, t, s, lengths, dtype):
+    q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
+    q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
+    out = fa.flash_attention(q, k, v, q_len, k_len, causal=causal)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-2
+
+
+def test_the_dispatch_runs_the_flash_kernel_on_the_models_prefill_mask():
+    """``attention(..., implementation="pallas")`` for a chunk appended to a cached prefix
+    (positions ``starts + t``, keys below ``starts + num_new``): the real queries match the
+    reference; padding queries (t >= num_new) are the kernel's zeros."""
+    from spark_jax import attention as att
+
+    rng = np.random.default_rng(21)
+    b, t, s, n, kv_heads, h = 2, 64, 128, 4, 2, 64
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv_heads, h)), jnp.float32) for _ in "kv")
+    starts, num_new = jnp.asarray([10, 0]), jnp.asarray([50, 64])
+    mask = att.AttentionMask(starts[:, None] + jnp.arange(t)[None], starts + num_new)
+    out = np.asarray(att.attention(q, k, v, mask, implementation="pallas"))
+    ref = np.asarray(att.reference_attention(q, k, v, mask))
+    for row, real in enumerate(np.asarray(num_new)):
+        np.testing.assert_allclose(out[row, :real], ref[row, :real], rtol=1e-5, atol=1e-5)
+        assert not out[row, real:].any()
