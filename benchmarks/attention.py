@@ -16,6 +16,8 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
 - ``cudnn_paged`` cuDNN's paged attention (``spark_jax.attention.cache_attention``) over the
   same K/V laid out in 16-key pages of a shuffled pool, and ``gather_cudnn`` what the batching
   engine did before it: gather the pages into rows, then ``cudnn`` (decode cases, GPU only),
+- ``pallas_paged`` our paged kernel (``pallas_kernels/paged_attention.py``) over the same pool,
+  in place, 256-key chunks of 16 pages (decode cases; interpreted off the GPU),
 - ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
   (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
   FA3 (``attention_mgpu``, GPU only; f16 only, so its timing includes a cast of q, k, v).
@@ -40,6 +42,8 @@ import numpy as np
 
 from benchmarks.common import copy_bandwidth, emit, matmul_rate, median_seconds, print_table
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.paged_attention import paged_attention
 from spark_jax.attention import AttentionMask, reference_attention
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -109,13 +113,14 @@ def implementations(case: Case) -> dict[str, Impl | None]:
         return {
             "pallas": pallas,
             "cudnn": cudnn,
-            "cudnn_paged": _paged(case, gather=False) if ON_GPU else None,
-            "gather_cudnn": _paged(case, gather=True) if ON_GPU else None,
+            "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
+            "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
+            "gather_cudnn": _paged(case, _gather_cudnn) if ON_GPU else None,
             "xla": xla,
             "triton_gqa": partial(_triton_gqa, scale=scale),
         }
     return {
-        "pallas": None,  # flash_attention (prefill) is not written yet
+        "pallas": partial(_pallas_prefill, interpret=not ON_GPU),
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,
         "triton_mha": partial(_triton_mha, scale=scale),
@@ -126,6 +131,10 @@ def implementations(case: Case) -> dict[str, Impl | None]:
 def _pallas_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
     chunk = 256 if k.shape[1] % 256 == 0 else 64
     return decode_attention(q, k, v, lengths, chunk=chunk, interpret=interpret)
+
+
+def _pallas_prefill(q, k, v, lengths, interpret: bool) -> jax.Array:
+    return flash_attention(q, k, v, lengths, lengths, causal=True, interpret=interpret)
 
 
 def _cudnn(q, k, v, lengths, causal: bool) -> jax.Array:
@@ -139,10 +148,10 @@ def _cudnn(q, k, v, lengths, causal: bool) -> jax.Array:
 PAGE_SIZE = 16  # the batching engine's default
 
 
-def _paged(case: Case, gather: bool) -> Impl:
-    """The case's K/V (``inputs``, same seed) in a shuffled page pool; ``run_case`` passes the
-    pools (``run.operands``) in place of k and v, as arguments, not as jit constants."""
-    from spark_jax.attention import cache_attention, cudnn_decode_attention
+def _paged(case: Case, attend: Callable[..., jax.Array]) -> Impl:
+    """``attend(q, k_pages, v_pages, lengths)`` over the case's K/V (``inputs``, same seed) in
+    a shuffled pool of ``PagedLayer`` pages; ``run_case`` passes the pools (``run.operands``)
+    in place of k and v, as arguments, not as jit constants."""
     from spark_jax.kv_cache import PagedLayer
 
     _, k, v, _ = inputs(case)
@@ -156,13 +165,32 @@ def _paged(case: Case, gather: bool) -> Impl:
         return PagedLayer(blocks[inverse], table)
 
     def run(q, k_pages, v_pages, lengths):
-        mask = AttentionMask(lengths[:, None] - 1, lengths, causal=False)
-        if gather:
-            return cudnn_decode_attention(q, k_pages.read(None), v_pages.read(None), mask)
-        return cache_attention(q, k_pages, v_pages, None, mask)
+        return attend(q, k_pages, v_pages, lengths)
 
     run.operands = (pool(k), pool(v))  # type: ignore[attr-defined]
     return run
+
+
+def _decode_mask(lengths: jax.Array) -> AttentionMask:
+    return AttentionMask(lengths[:, None] - 1, lengths, causal=False)
+
+
+def _pallas_paged(q, k_pages, v_pages, lengths, interpret: bool) -> jax.Array:
+    table = k_pages.block_table
+    return paged_attention(q, k_pages.pages, v_pages.pages, table, lengths, interpret=interpret)
+
+
+def _cudnn_paged(q, k_pages, v_pages, lengths) -> jax.Array:
+    from spark_jax.attention import cache_attention
+
+    return cache_attention(q, k_pages, v_pages, None, _decode_mask(lengths))
+
+
+def _gather_cudnn(q, k_pages, v_pages, lengths) -> jax.Array:
+    from spark_jax.attention import cudnn_decode_attention
+
+    mask = _decode_mask(lengths)
+    return cudnn_decode_attention(q, k_pages.read(None), v_pages.read(None), mask)
 
 
 def _triton_gqa(q, k, v, lengths, scale: float) -> jax.Array:
@@ -261,7 +289,7 @@ def main() -> None:
         (c.name, n)
         for c in cases
         for n, e in results[c.name].items()
-        if isinstance(e, dict) and e.get("ok") is False and n == "pallas"
+        if isinstance(e, dict) and e.get("ok") is False and n.startswith("pallas")
     ]
     if failed:
         raise SystemExit(f"our kernels disagree with the reference: {failed}")

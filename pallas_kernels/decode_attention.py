@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -89,18 +90,15 @@ def decode_attention(
     decode step, whose one query sits at the last visible key). A row of length 0 gives zeros.
     ``chunk`` (L) keys per program: a multiple of 64 dividing S.
     """
-    b, t, n, h = q.shape
+    b, _, _, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     if not decode_attention_applies(q, k, chunk):
         raise ValueError(f"decode_attention does not apply to q {q.shape}, k {k.shape}, {chunk=}")
-    g = n // kv_heads
     scale = h**-0.5 if scale is None else float(scale)
     q_rows, limit = _query_rows(q, kv_heads, key_lengths, query_positions)
     run = _decode_kernel(b, s, kv_heads, h, chunk, q_rows.shape[2], q.dtype, scale, interpret)
-    row_max, row_sum, out = run(key_lengths.astype(jnp.int32), limit, q_rows, k, v)
-    merged = _merge_chunks(row_max, row_sum, out, key_lengths, chunk)  # [B, K, P, H]
-    merged = merged[:, :, : t * g].reshape(b, kv_heads, t, g, h).transpose(0, 2, 1, 3, 4)
-    return merged.reshape(b, t, n, h).astype(q.dtype)
+    partials = run(key_lengths.astype(jnp.int32), limit, q_rows, k, v)
+    return _attention_output(q, partials, key_lengths, chunk)
 
 
 def _query_rows(
@@ -136,7 +134,6 @@ def _decode_kernel(
 ) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
     """The Mosaic GPU kernel: (lengths, limits, q rows, k, v) -> per-chunk (max, sum, out)."""
     num_chunks = s // chunk
-    tiled = _smem_transforms(dtype)
 
     def body(
         # Inputs (GMEM).
@@ -150,14 +147,7 @@ def _decode_kernel(
         sum_gmem,  # f32[B, K, C, P]
         out_gmem,  # f32[B, K, C, P, H]
         # Scratch (SMEM).
-        q_smem,  # [R, H]
-        k_smem,  # [L, H]
-        v_smem,  # [L, H]
-        p_smem,  # [R, L] probabilities in the value dtype, the PV product's A operand
-        limit_smem,  # int32[R]
-        stat_smem,  # f32[2, R] row max and row sum, staged for the copy out
-        out_smem,  # f32[R, H]
-        kt_smem,  # [H, L] K^T, interpret mode only (else None)
+        smem,  # _ChunkScratch
         barriers,  # 4 TMA barriers: q, limits, k, v
     ):
         row, head, c = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("c")
@@ -167,65 +157,118 @@ def _decode_kernel(
         def _visible_chunk():
             keys = pl.ds(start, chunk)
             mine = pl.ds(0, rows_written)
-            plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem.at[mine], barriers.at[0])
-            plgpu.copy_gmem_to_smem(limit_gmem.at[row, head], limit_smem.at[mine], barriers.at[1])
-            plgpu.copy_gmem_to_smem(k_gmem.at[row, keys, head], k_smem, barriers.at[2])
-            plgpu.copy_gmem_to_smem(v_gmem.at[row, keys, head], v_smem, barriers.at[3])
+            plgpu.copy_gmem_to_smem(q_gmem.at[row, head], smem.q.at[mine], barriers.at[0])
+            plgpu.copy_gmem_to_smem(limit_gmem.at[row, head], smem.limit.at[mine], barriers.at[1])
+            plgpu.copy_gmem_to_smem(k_gmem.at[row, keys, head], smem.k, barriers.at[2])
+            plgpu.copy_gmem_to_smem(v_gmem.at[row, keys, head], smem.v, barriers.at[3])
             for ready in range(3):
                 plgpu.barrier_wait(barriers.at[ready])
+            slots = (
+                max_gmem.at[row, head, c],
+                sum_gmem.at[row, head, c],
+                out_gmem.at[row, head, c],
+            )
+            _attend_chunk(smem, barriers.at[3], slots, start, scale, interpret)
 
-            def qk(acc):
-                plgpu.wgmma(acc, q_smem, _transposed_keys(k_smem, kt_smem, interpret))
-                return acc[...]
-
-            scores = pl.run_scoped(qk, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
-            key_ids = _iota((ROWS, chunk), 1, interpret) + start
-            limit = _with_layout(limit_smem[...], plgpu.Layout.WGMMA.reduce(1), interpret)
-            visible = key_ids < lax.broadcast_in_dim(limit, (ROWS, chunk), [0])
-            scores = jnp.where(visible, scores, _MASKED)
-            row_max = scores.max(axis=1)
-            probs = jnp.exp(scores - lax.broadcast_in_dim(row_max, scores.shape, [0]))
-            p_smem[...] = probs.astype(p_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(barriers.at[3])
-
-            def pv(acc):
-                plgpu.wgmma(acc, p_smem, v_smem)
-                return acc[...]
-
-            out_smem[...] = pl.run_scoped(pv, plgpu.ACC((ROWS, h), jnp.float32))
-            stat_smem[0] = row_max
-            stat_smem[1] = probs.sum(axis=1)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stat_smem.at[0, mine], max_gmem.at[row, head, c])
-            plgpu.copy_smem_to_gmem(stat_smem.at[1, mine], sum_gmem.at[row, head, c])
-            plgpu.copy_smem_to_gmem(out_smem.at[mine], out_gmem.at[row, head, c])
-            plgpu.wait_smem_to_gmem(0)
-
-    scratch = [
-        plgpu.SMEM((ROWS, h), dtype, transforms=tiled),
-        plgpu.SMEM((chunk, h), dtype, transforms=tiled),
-        plgpu.SMEM((chunk, h), dtype, transforms=tiled),
-        plgpu.SMEM((ROWS, chunk), dtype, transforms=tiled),
-        plgpu.SMEM((ROWS,), jnp.int32),
-        plgpu.SMEM((2, ROWS), jnp.float32),
-        plgpu.SMEM((ROWS, h), jnp.float32),
-        plgpu.SMEM((h, chunk), dtype) if interpret else None,
-        plgpu.Barrier(num_barriers=4),
-    ]
-    stats = jax.ShapeDtypeStruct((b, kv_heads, num_chunks, rows_written), jnp.float32)
     return plgpu.kernel(
         body,
-        out_type=(
-            stats,
-            stats,
-            jax.ShapeDtypeStruct((b, kv_heads, num_chunks, rows_written, h), jnp.float32),
-        ),
-        scratch_types=scratch,
+        out_type=_partial_types(b, kv_heads, num_chunks, rows_written, h),
+        scratch_types=[
+            _ChunkScratch.types(dtype, h, chunk, interpret),
+            plgpu.Barrier(num_barriers=4),
+        ],
         grid=(b, kv_heads, num_chunks),
         grid_names=("b", "k", "c"),
         interpret=_interpret_params() if interpret else None,
     )
+
+
+# -------------------------------------------------------------------------------------------
+# One chunk's attention and the merge of the chunks: shared with the paged kernel
+# (paged_attention.py), which differs only in where a chunk's keys come from.
+
+
+class _ChunkScratch(NamedTuple):
+    """A program's shared memory (as ``plgpu.SMEM`` types from ``types``, as refs in the body)."""
+
+    q: Any  # [R, H]
+    k: Any  # [L, H]
+    v: Any  # [L, H]
+    p: Any  # [R, L] probabilities in the value dtype, the PV product's A operand
+    limit: Any  # int32[R]
+    stat: Any  # f32[2, R] row max and row sum, staged for the copy out
+    out: Any  # f32[R, H]
+    kt: Any  # [H, L] K^T, interpret mode only (else None)
+
+    @classmethod
+    def types(cls, dtype: jnp.dtype, h: int, chunk: int, interpret: bool) -> _ChunkScratch:
+        tiled = _smem_transforms(dtype)
+        return cls(
+            q=plgpu.SMEM((ROWS, h), dtype, transforms=tiled),
+            k=plgpu.SMEM((chunk, h), dtype, transforms=tiled),
+            v=plgpu.SMEM((chunk, h), dtype, transforms=tiled),
+            p=plgpu.SMEM((ROWS, chunk), dtype, transforms=tiled),
+            limit=plgpu.SMEM((ROWS,), jnp.int32),
+            stat=plgpu.SMEM((2, ROWS), jnp.float32),
+            out=plgpu.SMEM((ROWS, h), jnp.float32),
+            kt=plgpu.SMEM((h, chunk), dtype) if interpret else None,
+        )
+
+
+def _partial_types(
+    b: int, kv_heads: int, num_chunks: int, rows_written: int, h: int
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The kernel's outputs: per-chunk row max f32[B,K,C,P], row sum, and P @ V f32[B,K,C,P,H]."""
+    stats = jax.ShapeDtypeStruct((b, kv_heads, num_chunks, rows_written), jnp.float32)
+    return stats, stats, jax.ShapeDtypeStruct((*stats.shape, h), jnp.float32)
+
+
+def _attend_chunk(smem: _ChunkScratch, values_ready, slots, start, scale: float, interpret: bool):
+    """A visible chunk whose queries, limits and keys are in ``smem``: scores on the tensor
+    cores, the masked softmax, P @ V once ``values_ready``, and the partial result copied to
+    ``slots`` (this program's row max f32[P], row sum f32[P] and P @ V f32[P, H] in GMEM)."""
+    chunk, h = smem.k.shape
+    mine = pl.ds(0, slots[0].shape[0])
+
+    def qk(acc):
+        plgpu.wgmma(acc, smem.q, _transposed_keys(smem.k, smem.kt, interpret))
+        return acc[...]
+
+    scores = pl.run_scoped(qk, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
+    key_ids = _iota((ROWS, chunk), 1, interpret) + start
+    limit = _with_layout(smem.limit[...], plgpu.Layout.WGMMA.reduce(1), interpret)
+    visible = key_ids < lax.broadcast_in_dim(limit, (ROWS, chunk), [0])
+    scores = jnp.where(visible, scores, _MASKED)
+    row_max = scores.max(axis=1)
+    probs = jnp.exp(scores - lax.broadcast_in_dim(row_max, scores.shape, [0]))
+    smem.p[...] = probs.astype(smem.p.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(values_ready)
+
+    def pv(acc):
+        plgpu.wgmma(acc, smem.p, smem.v)
+        return acc[...]
+
+    smem.out[...] = pl.run_scoped(pv, plgpu.ACC((ROWS, h), jnp.float32))
+    smem.stat[0] = row_max
+    smem.stat[1] = probs.sum(axis=1)
+    plgpu.commit_smem()
+    max_slot, sum_slot, out_slot = slots
+    plgpu.copy_smem_to_gmem(smem.stat.at[0, mine], max_slot)
+    plgpu.copy_smem_to_gmem(smem.stat.at[1, mine], sum_slot)
+    plgpu.copy_smem_to_gmem(smem.out.at[mine], out_slot)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _attention_output(
+    q: jax.Array, partials: tuple[jax.Array, ...], key_lengths: jax.Array, chunk: int
+) -> jax.Array:
+    """The kernel's per-chunk partials merged and laid out as q [B,T,N,H], in q's dtype."""
+    b, t, n, h = q.shape
+    kv_heads = partials[0].shape[1]
+    merged = _merge_chunks(*partials, key_lengths, chunk)  # [B, K, P, H]
+    merged = merged[:, :, : t * n // kv_heads].reshape(b, kv_heads, t, -1, h)
+    return merged.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 def _merge_chunks(

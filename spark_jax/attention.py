@@ -208,13 +208,16 @@ def cache_attention(
 ) -> jax.Array:
     """Attention of q [B,T,N,H] over the cache rows ``slots`` (all rows if None).
 
-    A paged decode step on the GPU reads the pages in place (unless ``forced_implementation``
-    names another path); everything else reads the rows out (a view of a dense cache, a
-    gather of a paged one) and goes through ``attention``.
+    A paged decode step on the GPU reads the pages in place with cuDNN, or with our Pallas
+    paged kernel under ``forced_implementation("pallas")``; everything else reads the rows
+    out (a view of a dense cache, a gather of a paged one) and goes through ``attention``.
     """
+    paged = isinstance(k_cache, PagedLayer)
+    if paged and _FORCED[0] == "pallas" and pallas_paged_applies(q, k_cache, sliding_window):
+        return pallas_paged_attention(q, k_cache, v_cache, slots, mask)
     if (
         _FORCED[0] in (None, "cudnn")
-        and isinstance(k_cache, PagedLayer)
+        and paged
         and cudnn_paged_applies(q, k_cache, q.shape[0], sliding_window)
     ):
         return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
@@ -294,6 +297,45 @@ def pallas_prefill_attention(
         mask.key_lengths,
         causal=mask.causal,
         scale=scale,
+        interpret=jax.default_backend() != "gpu",
+    )
+
+
+_PAGED_CHUNKS = (256, 128, 64)  # keys per program of the paged kernel, largest first
+
+
+def pallas_paged_applies(q: jax.Array, k_cache: PagedLayer, sliding_window: int | None) -> bool:
+    """True where the Pallas paged kernel runs (its constraints as the split-K kernel's, plus
+    a page size dividing the chunk); bf16/f16 on Hopper, or the CPU interpreter."""
+    from pallas_kernels.paged_attention import paged_attention_applies
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+        return False
+    return any(paged_attention_applies(q, k_cache.pages, c, sliding_window) for c in _PAGED_CHUNKS)
+
+
+def pallas_paged_attention(
+    q: jax.Array,
+    k_cache: PagedLayer,
+    v_cache: PagedLayer,
+    slots: jax.Array | None,
+    mask: AttentionMask,
+    scale: float | None = None,
+) -> jax.Array:
+    """q [B,T,N,H] over the pages of rows ``slots`` with the Pallas paged kernel."""
+    from pallas_kernels.paged_attention import paged_attention, paged_attention_applies
+
+    chunk = next(c for c in _PAGED_CHUNKS if paged_attention_applies(q, k_cache.pages, c))
+    return paged_attention(
+        q,
+        k_cache.pages,
+        v_cache.pages,
+        k_cache.table_rows(slots),
+        mask.key_lengths,
+        mask.query_positions if mask.causal else None,
+        scale,
+        chunk=chunk,
         interpret=jax.default_backend() != "gpu",
     )
 

@@ -132,3 +132,16 @@ def test_forced_implementation_overrides_the_dispatch_and_restores_it():
     with pytest.raises(ValueError, match="unknown implementation"):
         with att.forced_implementation("triton"):
             pass
+
+
+def test_forced_pallas_attends_over_pages_with_the_paged_kernel():
+    """``cache_attention`` under ``forced_implementation("pallas")`` runs the Pallas paged
+    kernel (interpreted off the GPU) and matches the gather + reference."""
+    q, k, v, mask = _paged_inputs(
+        7, b=3, n=8, kv_heads=2, h=64, page_size=16, num_pages=24, width=8
+    )  # fmt: skip
+    assert att.pallas_paged_applies(q, k, None)
+    with att.forced_implementation("pallas"):
+        out = att.cache_attention(q, k, v, None, mask)
+    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
