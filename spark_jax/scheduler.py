@@ -688,22 +688,26 @@ class Engine:
         makes them (``_upload``), so a run finds every program cached.
         """
         with self._lock:
-            steps = [("decode", self._warm_decode_args(w)) for w in self.width_ladder]
+            steps = [("decode", self._warm_decode_args(w)) for w in self._decode_shapes()]
             steps += [("prefill", self._warm_prefill_args(*s)) for s in self.prefill_shapes()]
             lowered = [getattr(self.runner, f"lower_{name}")(*a, **kw) for name, (a, kw) in steps]
             with ThreadPoolExecutor(max(1, compile_threads)) as pool:
                 list(pool.map(lambda program: program.compile(), lowered))
             logits = self._zero_logits
-            for width in self.width_ladder:
+            for width in self._decode_shapes():
                 args, kwargs = self._warm_decode_args(width)
                 logits, self.state = self.runner.decode(*args, **kwargs)
-            for rows, chunk in self.prefill_shapes():
-                args, kwargs = self._warm_prefill_args(rows, chunk)
+            for shape in self.prefill_shapes():
+                args, kwargs = self._warm_prefill_args(*shape)
                 chunk_logits, self.state = self.runner.prefill(*args, **kwargs)
-                targets = _upload(np.full((rows,), self.num_slots, np.int32))
+                targets = _upload(np.full((shape[0],), self.num_slots, np.int32))
                 logits = _merge_rows(logits, chunk_logits, targets)
                 logits = _merge_rows(self._zero_logits, chunk_logits, targets)
             self._warm_sampler(logits)
+
+    def _decode_shapes(self) -> list[int]:
+        """The decode step's shapes to compile: one per block-table width."""
+        return list(self.width_ladder)
 
     def _warm_decode_args(self, width: int) -> tuple[tuple, dict[str, Any]]:
         """A decode step of no active row over a block table ``width`` pages wide."""

@@ -249,32 +249,27 @@ class EncoderDecoderEngine(Engine):
         return [(b, t) for b in self.row_ladder for t in self.source_ladder]
 
     def warmup(self, compile_threads: int = 8) -> None:
-        """Compiles the decode step, every prefill shape and the sampler (no thread pool: the
-        runner's prefill validates and pads on the host, so its programs are compiled by
-        running them on rows out of range, which write nothing)."""
-        del compile_threads
+        """``Engine.warmup`` (the decode step and every prefill shape, compiled on threads, run
+        on rows out of range), then the beam lane's programs."""
+        super().warmup(compile_threads)
         with self._lock:
-            logits = self._zero_logits
-            n = self.num_slots
-            logits, self.state = self.runner.decode(
-                self.state,
-                _upload(np.zeros((n,), np.int32)),
-                _upload(np.zeros((n,), bool)),
-                **self._lora([-1] * n),
-            )
-            request = self._warmup_request()
-            eos = self.model.config.eos_token_id
-            for rows, length in self.prefill_shapes():
-                source = [eos] * min(length, self.max_source_len)
-                chunk_logits, self.state = self.runner.prefill(
-                    self.state, [n] * rows, [source] * rows, [request] * rows,
-                    **self._lora([-1] * rows),
-                )  # fmt: skip
-                targets = _upload(np.full((rows,), n, np.int32))
-                logits = _merge_rows(logits, chunk_logits, targets)
-                logits = _merge_rows(self._zero_logits, chunk_logits, targets)
-            self._warm_sampler(logits)
-            self._warm_beam_lane(request.tgt_lang)
+            self._warm_beam_lane(self._warmup_request().tgt_lang)
+
+    def _decode_shapes(self) -> list[int]:
+        return [0]  # one decode step: the cache has no block table
+
+    def _warm_decode_args(self, width: int) -> tuple[tuple, dict[str, Any]]:
+        del width  # no block table
+        n = self.num_slots
+        tokens, active = _upload(np.zeros((n,), np.int32)), _upload(np.zeros((n,), bool))
+        return (self.state, tokens, active), self._lora([-1] * n)
+
+    def _warm_prefill_args(self, rows: int, length: int) -> tuple[tuple, dict[str, Any]]:
+        """``rows`` sources of ``length`` EOS tokens into slots out of range (write nothing)."""
+        source = [self.model.config.eos_token_id] * min(length, self.max_source_len)
+        request = self._warmup_request()
+        args = (self.state, [self.num_slots] * rows, [source] * rows, [request] * rows)
+        return args, self._lora([-1] * rows)
 
     def _warm_beam_lane(self, tgt_lang: str | None) -> None:
         """Runs 1 .. (prefill ladder top) one-step searches at once: the programs that depend

@@ -678,6 +678,23 @@ class NllbRunner:
         the seed. Every request is validated before any device work, so an error leaves
         ``state`` untouched (it is donated only once all of them pass).
         """
+        logits, state = prefill(*self._prefill_args(state, slots, prompts, requests, adapters))
+        return logits[: len(prompts)], state
+
+    def lower_prefill(
+        self,
+        state: EncoderDecoderCache,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        requests: Sequence[Any] = (),
+        adapters: Sequence[int] | None = None,
+    ) -> jax.stages.Lowered:
+        """``prefill``'s program for these inputs, traced but neither compiled nor run (the
+        engine compiles its shapes on threads, then its calls find them compiled)."""
+        return prefill.lower(*self._prefill_args(state, slots, prompts, requests, adapters))
+
+    def _prefill_args(self, state, slots, prompts, requests, adapters) -> tuple:
+        """Validates every request, then pads the batch: the arguments of ``prefill``."""
         requests = list(requests) or [None] * len(prompts)
         for prompt, request in zip(prompts, requests, strict=True):
             self.check_source(prompt, request)
@@ -700,7 +717,7 @@ class NllbRunner:
             src_len[row] = len(prompt)
             seed[row, 1] = target
             slot_ids[row] = slot
-        logits, state = prefill(
+        return (
             self.params,
             c,
             jnp.asarray(src),
@@ -710,7 +727,6 @@ class NllbRunner:
             state,
             self._lora(adapters, rows),
         )
-        return logits[:n], state
 
     def prefill_chunk(self, *args: Any, **kwargs: Any) -> None:
         """Chunked prefill does not apply to an encoder-decoder: refused."""
@@ -730,6 +746,17 @@ class NllbRunner:
         """One token per cache row; ``adapters`` gives each cache row's adapter slot."""
         lora = self._lora(adapters, state.num_slots)
         return decode(self.params, self.config, tokens, active, state, lora)
+
+    def lower_decode(
+        self,
+        state: EncoderDecoderCache,
+        tokens: jax.Array,
+        active: jax.Array,
+        adapters: Sequence[int] | None = None,
+    ) -> jax.stages.Lowered:
+        """``decode``'s program for these inputs, traced but neither compiled nor run."""
+        lora = self._lora(adapters, state.num_slots)
+        return decode.lower(self.params, self.config, tokens, active, state, lora)
 
     def reorder_rows(
         self, state: EncoderDecoderCache, source_rows: jax.Array, with_cross: bool = False
