@@ -6,11 +6,13 @@ decode attention (``sj.Engine``); the plain path forces every attention to the j
 round a near-tie differently, so a sequence may differ only where the reference's top two
 logits are a near-tie at the first differing token; the count of such flips is printed.
 
-A near-tie is a gap under 1e-2 or under two bf16 steps at the top logit, whichever is
-larger: the LM head returns bf16, so logits of this random model (top ~2, where bf16 steps
-by 0.0078-0.0156) are no finer than that. On the H200 (run i of BENCHMARKS.md) 14 of 20
-sequences differed, at gaps of 2e-6 to 0.0189; the first version of this test, bounded at
-1e-2 alone, failed on two of them (0.0126 and 0.0189). This bound has not yet run there.
+A near-tie is a top-2 gap under 1e-2 (the issue's bound). The LM head returns bf16 and two
+bf16 paths differ by a fraction of a percent of a logit, so the bound only means something
+for logits below ~1: the final norm's scale is shrunk so the top logits are ~0.66 (at most
+0.95 on these prompts), where bf16 steps by at most 0.0039. An earlier version with top
+logits ~2 (bf16 steps 0.0078-0.0156) failed on the H200 (run i of BENCHMARKS.md): 14 of 20
+sequences differed at gaps of 2e-6 to 0.0189, two of them above 1e-2. This version has not
+yet run on the GPU.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ NEAR_TIE = 1e-2
 
 def _model() -> sj.Model:
     params = decoder.init_params(CONFIG, jax.random.key(0), jnp.bfloat16)
-    params = jax.tree_util.tree_map(lambda x: x * 10.0, params)  # well-separated logits
+    params = jax.tree_util.tree_map(lambda x: x * 10.0, params)  # a non-trivial distribution
+    params["final_norm"] = jax.tree_util.tree_map(lambda x: x * 0.35, params["final_norm"])
     return sj.Model(CONFIG, params)
 
 
@@ -63,13 +66,11 @@ def _greedy(model: sj.Model, prompts: list[list[int]]) -> list[list[int]]:
     return alone + batched
 
 
-def _gap_at_first_difference(model, prompt, reference, other) -> tuple[float, float]:
-    """The reference's top-2 logit gap where ``other`` first leaves it, and the near-tie
-    bound there (see the module docstring)."""
+def _gap_at_first_difference(model, prompt, reference, other) -> float:
+    """The reference's top-2 logit gap where ``other`` first leaves it."""
     i = next(i for i, (a, b) in enumerate(zip(reference, other, strict=True)) if a != b)
     logits = np.sort(model.logits(prompt + reference[:i])[-1])
-    bf16_step = 2.0 ** (np.floor(np.log2(abs(logits[-1]))) - 7)
-    return float(logits[-1] - logits[-2]), max(NEAR_TIE, 2 * bf16_step)
+    return float(logits[-1] - logits[-2])
 
 
 def test_optimized_attention_gives_the_plain_xla_greedy_tokens():
@@ -87,5 +88,5 @@ def test_optimized_attention_gives_the_plain_xla_greedy_tokens():
             if ref != out
         ]
     jax.clear_caches()
-    print(f"{len(gaps)} of {len(fast)} sequences differ; (top-2 gap, near-tie bound): {gaps}")
-    assert all(gap < bound for gap, bound in gaps), gaps
+    print(f"{len(gaps)} of {len(fast)} sequences differ; top-2 gaps there: {gaps}")
+    assert all(gap < NEAR_TIE for gap in gaps), gaps
