@@ -241,8 +241,7 @@ def pallas_decode_applies(
     from pallas_kernels.decode_attention import decode_attention_applies
 
     del mask  # any positions and lengths: causality is per query row in the kernel
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+    if not _pallas_runs(q):
         return False
     return any(decode_attention_applies(q, k, c, sliding_window) for c in _PALLAS_CHUNKS)
 
@@ -266,8 +265,7 @@ def pallas_prefill_applies(q: jax.Array, k: jax.Array, sliding_window: int | Non
     head dim 64 or 128; bf16/f16 on Hopper, or the CPU interpreter."""
     from pallas_kernels.flash_attention import flash_attention_applies
 
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+    if not _pallas_runs(q):
         return False
     return sliding_window is None and flash_attention_applies(q, k)
 
@@ -309,8 +307,7 @@ def pallas_paged_applies(q: jax.Array, k_cache: PagedLayer, sliding_window: int 
     a page size dividing the chunk); bf16/f16 on Hopper, or the CPU interpreter."""
     from pallas_kernels.paged_attention import paged_attention_applies
 
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not (_is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)):
+    if not _pallas_runs(q):
         return False
     return any(paged_attention_applies(q, k_cache.pages, c, sliding_window) for c in _PAGED_CHUNKS)
 
@@ -338,6 +335,13 @@ def pallas_paged_attention(
         chunk=chunk,
         interpret=jax.default_backend() != "gpu",
     )
+
+
+def _pallas_runs(q: jax.Array) -> bool:
+    """Our Mosaic GPU kernels run here: bf16/f16 on a Hopper GPU, or any float interpreted."""
+    if jax.default_backend() != "gpu":
+        return True
+    return _is_hopper() and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
 def _is_hopper() -> bool:
