@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,11 +58,10 @@ from benchmarks.common import (
     torch_median_seconds,
 )
 from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
-from spark_jax import layers
 from spark_jax.attention import AttentionMask, reference_attention, split_kv_attention
 from spark_jax.config import ModelConfig
 from spark_jax.engine import generate
-from spark_jax.kv_cache import KVCache
+from spark_jax.kv_cache import KVCache, read_rows
 from spark_jax.model import Model
 from spark_jax.models import decoder
 from spark_jax.sampling import SamplingParams
@@ -278,37 +276,26 @@ def attention_cudnn_decode(q, k, v, mask, sliding_window=None, scale=None):
     )
 
 
-class LinearBf16Out(layers.Linear):
-    """``Linear`` whose dot returns the parameter dtype (fp32 accumulation stays inside the
-    GEMM) instead of fp32 then a convert: one kernel less per projection at bs=1."""
-
-    @nn.compact
-    def __call__(self, x, lora=None):
-        shape = (x.shape[-1], self.features)
-        kernel = self.param("kernel", nn.initializers.normal(0.02), shape, self.dtype)
-        out_dtype = self.out_dtype or self.dtype
-        y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        if lora is not None:
-            y = y + lora.delta(x).astype(out_dtype)
-        return y
-
-
 @contextlib.contextmanager
-def patched_decoder(
-    write_kv: Callable | None, attention: Callable | None, linear: Callable | None = None
-) -> Iterator[None]:
-    """Traces the decoder with other cache-write / attention / linear functions (variants)."""
+def patched_decoder(write_kv: Callable | None, attention: Callable | None) -> Iterator[None]:
+    """Traces the decoder with other cache-write / attention functions (variants).
 
-    saved = decoder.write_kv, decoder.attention, decoder.Linear, layers.Linear
+    The decoder attends over its cache through ``cache_attention``; a variant's attention gets
+    the rows read out (``read_rows``), as the committed path does off the paged GPU route.
+    """
+
+    def over_cache(q, k_cache, v_cache, slots, mask, sliding_window=None):
+        keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
+        return attention(q, keys, values, mask, sliding_window)
+
+    saved = decoder.write_kv, decoder.attention, decoder.cache_attention
     decoder.write_kv = write_kv or saved[0]
     decoder.attention = attention or saved[1]
-    decoder.Linear = layers.Linear = linear or saved[2]
+    decoder.cache_attention = over_cache if attention else saved[2]
     try:
         yield
     finally:
-        decoder.write_kv, decoder.attention, decoder.Linear, layers.Linear = saved
+        decoder.write_kv, decoder.attention, decoder.cache_attention = saved
 
 
 def _variant_plan(text: str) -> dict[str, tuple[int, ...]]:
@@ -339,7 +326,6 @@ VARIANT_NAMES = (
     "split_kv",
     "split_kv512",
     "split_kv128",
-    "bf16_out",
 )
 VARIANT_STEPS = {name: _fresh_decode_step() for name in VARIANT_NAMES}
 greedy = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -352,7 +338,6 @@ VARIANT_PATCHES = {
     "split_kv": (None, split_kv_attention),
     "split_kv512": (None, partial(split_kv_attention, chunk=512)),
     "split_kv128": (None, partial(split_kv_attention, chunk=128)),
-    "bf16_out": (None, None, LinearBf16Out),
 }
 
 
