@@ -40,7 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, emit, matmul_rate, median_seconds, print_table
+from benchmarks.common import (
+    copy_bandwidth,
+    emit,
+    matmul_rate,
+    median_seconds,
+    print_table,
+    read_bandwidth,
+)
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.paged_attention import paged_attention
@@ -112,6 +119,9 @@ def implementations(case: Case) -> dict[str, Impl | None]:
         cudnn = partial(_cudnn, causal=False) if ON_GPU else None
         return {
             "pallas": pallas,
+            "pallas_c128": partial(_pallas_decode, interpret=not ON_GPU, chunk=128),
+            "pallas_c64": partial(_pallas_decode, interpret=not ON_GPU, chunk=64),
+            "pallas_flash": partial(_pallas_flash_decode, interpret=not ON_GPU),
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
@@ -128,9 +138,23 @@ def implementations(case: Case) -> dict[str, Impl | None]:
     }
 
 
-def _pallas_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
-    chunk = 256 if k.shape[1] % 256 == 0 else 64
+def _pallas_decode(q, k, v, lengths, interpret: bool, chunk: int = 256) -> jax.Array:
+    chunk = chunk if k.shape[1] % chunk == 0 else 64
     return decode_attention(q, k, v, lengths, chunk=chunk, interpret=interpret)
+
+
+def _pallas_flash_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
+    """The decode step through the flash kernel: each kv head's G query heads as the query
+    rows (padded to one 64-row block), every key of the row walked by one program."""
+    b, _, n, h = q.shape
+    kv_heads = k.shape[2]
+    group = n // kv_heads
+    rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
+    rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
+    out = flash_attention(
+        rows, k, v, jnp.full((b,), group), lengths, causal=False, interpret=interpret
+    )
+    return out[:, :group].transpose(0, 2, 1, 3).reshape(b, 1, n, h)
 
 
 def _pallas_prefill(q, k, v, lengths, interpret: bool) -> jax.Array:
@@ -271,6 +295,7 @@ def main() -> None:
     if ON_GPU:
         results["device"] = jax.devices()[0].device_kind
         results["copy_tb_s"] = copy_bandwidth() / 1e12
+        results["read_tb_s"] = read_bandwidth() / 1e12
         results["matmul_tflop_s"] = matmul_rate() / 1e12
     for case in cases:
         results[case.name] = run_case(case, 2 if args.tiny else args.iters)

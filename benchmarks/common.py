@@ -80,6 +80,15 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
     return 2 * nbytes / seconds
 
 
+def read_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s of a read-only pass (a sum: nothing written back),
+    the ceiling of a decode step, which reads weights and cache and writes almost nothing."""
+    x = jax.random.normal(jax.random.key(3), (nbytes // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    seconds = median_seconds(lambda: total(x), iters=iters)
+    return nbytes / seconds
+
+
 def matmul_rate(n: int = 8192, iters: int = 10) -> float:
     """bf16 matrix product rate in FLOP/s on random [n, n] operands (fp32 accumulation)."""
     ka, kb = jax.random.split(jax.random.key(2))

@@ -88,7 +88,7 @@ def flash_attention_applies(
     the caller: the tensor cores take bf16/f16, the interpreter any float)."""
     _, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
-    block_k = default_block_k(h) if block_k is None else block_k
+    block_k = default_block_k(h, s) if block_k is None else block_k
     return (
         n % kv_heads == 0
         and h in (64, 128)
@@ -100,11 +100,12 @@ def flash_attention_applies(
     )
 
 
-def default_block_k(h: int) -> int:
+def default_block_k(h: int, s: int) -> int:
     """Keys per block: 64 at head dim 128 keeps a program's shared memory (Q, two K and two V
     slots: 80 KiB in bf16) small enough for two programs per SM, whose softmax and tensor-core
-    phases then interleave; at head dim 64, 128 keys fit three."""
-    return 64 if h == 128 else 128
+    phases then interleave; at head dim 64, 128 keys fit three (64 where S is not a multiple
+    of 128)."""
+    return 128 if h == 64 and s % 128 == 0 else 64
 
 
 def flash_attention(
@@ -130,7 +131,7 @@ def flash_attention(
     """
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
-    block_k = default_block_k(h) if block_k is None else block_k
+    block_k = default_block_k(h, s) if block_k is None else block_k
     if not flash_attention_applies(q, k, block_q, block_k):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, {block_k=}"

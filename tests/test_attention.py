@@ -118,6 +118,29 @@ def test_cudnn_paged_decode_attention_matches_the_gather_on_gpu(page_size):
     assert rel < 1e-2
 
 
+def test_dispatch_runs_the_flash_kernel_for_prefill_where_it_compiles(monkeypatch):
+    """Where our kernels compile (Hopper, bf16), a prefill (T > 1) goes through the flash
+    kernel and a decode step does not; here the check is patched, the kernel interpreted."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on the GPU the real check decides; tests/test_gpu_paths.py covers it")
+    calls = []
+    flash = att.pallas_prefill_attention
+    monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
+    monkeypatch.setattr(
+        att, "pallas_prefill_attention", lambda *a, **kw: calls.append(a[0].shape) or flash(*a)
+    )
+    q, k, v, mask = _inputs(9, 2, 128, 4, 2, 64, 128)  # a fresh prefill: S = T
+    positions = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (2, 128))
+    mask = att.AttentionMask(positions, jnp.asarray([77, 128], jnp.int32))  # ragged prompts
+    out = att.attention(q, k, v, mask)
+    assert calls == [q.shape]
+    ref = att.reference_attention(q, k, v, mask)
+    real = np.arange(128)[None, :] < np.asarray(mask.key_lengths)[:, None]  # past: zeros
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
+    att.attention(q[:, :1], k, v, att.AttentionMask(mask.query_positions[:, :1], mask.key_lengths))
+    assert calls == [q.shape]  # a decode step is not a prefill
+
+
 def test_forced_implementation_overrides_the_dispatch_and_restores_it():
     q, k, v, mask = _inputs(6, 2, 1, 8, 2, 16, 64)
     with att.forced_implementation("xla"):
