@@ -122,6 +122,9 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas_c128": partial(_pallas_decode, interpret=not ON_GPU, chunk=128),
             "pallas_c64": partial(_pallas_decode, interpret=not ON_GPU, chunk=64),
             "pallas_flash": partial(_pallas_flash_decode, interpret=not ON_GPU),
+            "pallas_flash_s3": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=3),
+            "pallas_flash_s4": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=4),
+            "pallas_flash_k128": partial(_pallas_flash_decode, interpret=not ON_GPU, block_k=128),
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
@@ -131,6 +134,8 @@ def implementations(case: Case) -> dict[str, Impl | None]:
         }
     return {
         "pallas": partial(_pallas_prefill, interpret=not ON_GPU),
+        "pallas_s3": partial(_pallas_prefill, interpret=not ON_GPU, stages=3),
+        "pallas_k128": partial(_pallas_prefill, interpret=not ON_GPU, block_k=128),
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,
         "triton_mha": partial(_triton_mha, scale=scale),
@@ -143,7 +148,7 @@ def _pallas_decode(q, k, v, lengths, interpret: bool, chunk: int = 256) -> jax.A
     return decode_attention(q, k, v, lengths, chunk=chunk, interpret=interpret)
 
 
-def _pallas_flash_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
+def _pallas_flash_decode(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
     """The decode step through the flash kernel: each kv head's G query heads as the query
     rows (padded to one 64-row block), every key of the row walked by one program."""
     b, _, n, h = q.shape
@@ -152,13 +157,13 @@ def _pallas_flash_decode(q, k, v, lengths, interpret: bool) -> jax.Array:
     rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
     rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
     out = flash_attention(
-        rows, k, v, jnp.full((b,), group), lengths, causal=False, interpret=interpret
+        rows, k, v, jnp.full((b,), group), lengths, causal=False, interpret=interpret, **tuning
     )
     return out[:, :group].transpose(0, 2, 1, 3).reshape(b, 1, n, h)
 
 
-def _pallas_prefill(q, k, v, lengths, interpret: bool) -> jax.Array:
-    return flash_attention(q, k, v, lengths, lengths, causal=True, interpret=interpret)
+def _pallas_prefill(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
+    return flash_attention(q, k, v, lengths, lengths, causal=True, interpret=interpret, **tuning)
 
 
 def _cudnn(q, k, v, lengths, causal: bool) -> jax.Array:

@@ -4,8 +4,9 @@ The kernel runs one program per (query head n, query block i of ``block_q`` rows
 A program copies its query block into shared memory once, then walks the key blocks of its
 kv head (n // G) with an online softmax: the running row max and row sum stay in fp32
 registers, the output accumulator too, and each step rescales them by the new max. QK^T and
-PV run on the tensor cores (wgmma); K and V blocks arrive by TMA into two shared-memory slots,
-the next block's copy issued before the current block's math, so loads overlap compute.
+PV run on the tensor cores (wgmma); K and V blocks arrive by TMA into ``stages`` (2-4)
+shared-memory slots, the copies of the next ``stages - 1`` blocks in flight during the current
+block's math, so loads overlap compute.
 
 Ragged batches cost nothing for the padding. Row b has ``query_lengths[b]`` real queries and
 ``key_lengths[b]`` real keys; query t sits at position ``key_lengths[b] - query_lengths[b] +
@@ -31,6 +32,7 @@ Q rows per query block, L keys per key block.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -119,6 +121,7 @@ def flash_attention(
     scale: float | None = None,
     block_q: int = 64,
     block_k: int | None = None,
+    stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
     """q [B,T,N,H] over k/v [B,S,K,H] -> [B,T,N,H] in q's dtype.
@@ -127,19 +130,22 @@ def flash_attention(
     S); query t sits at key position ``key_lengths[b] - query_lengths[b] + t`` and, if
     ``causal``, sees keys up to that position. Rows past the query length and rows that see
     no key give zeros. ``block_q`` (Q, 64 or 128) divides T, ``block_k`` (L, 64 or 128;
-    ``default_block_k``) divides S: pad the shapes, not the lengths.
+    ``default_block_k``) divides S: pad the shapes, not the lengths. ``stages`` (2-4) K/V
+    blocks are in flight per program: more hide more of the copy latency, fewer leave room
+    for more programs per SM.
     """
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
-    if not flash_attention_applies(q, k, block_q, block_k):
+    if not flash_attention_applies(q, k, block_q, block_k) or stages not in (2, 3, 4):
         raise ValueError(
-            f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, {block_k=}"
+            f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
+            f"{block_k=}, {stages=}"
         )
     query_lengths, key_lengths = _lengths(q, k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, q.dtype, causal, scale, interpret
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, q.dtype, causal, scale, interpret
     )
     return run(query_lengths, key_lengths, q, k, v)
 
@@ -164,6 +170,7 @@ def _flash_kernel(
     h: int,
     block_q: int,
     block_k: int,
+    stages: int,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -185,13 +192,13 @@ def _flash_kernel(
         out_gmem,  # [B, T, N, H]
         # Scratch (SMEM).
         q_smem,  # [Q, H] the query block, then the output block on its way out
-        k_smem,  # [2, L, H] two slots: block j in slot j % 2
-        v_smem,  # [2, L, H]
+        k_smem,  # [stages, L, H]: block j in slot j % stages
+        v_smem,  # [stages, L, H]
         kt_smem,  # [H, L] K^T, interpret mode only (else None)
         p_smem,  # [Q, L] probabilities, the PV product's A operand, interpret mode only
         q_barrier,  # 1 TMA barrier
-        k_barriers,  # 2 TMA barriers, one per slot
-        v_barriers,  # 2 TMA barriers, one per slot
+        k_barriers,  # one TMA barrier per slot
+        v_barriers,  # one TMA barrier per slot
     ):
         head, row = lax.axis_index("n"), lax.axis_index("b")
         q_block = lax.axis_index("q")
@@ -205,7 +212,7 @@ def _flash_kernel(
         full_steps, num_steps = _key_blocks(q_start, q_length, k_length, block_q, block_k, causal)
 
         def fetch(step):
-            slot, keys = lax.rem(step, 2), pl.ds(step * block_k, block_k)
+            slot, keys = lax.rem(step, stages), pl.ds(step * block_k, block_k)
             plgpu.copy_gmem_to_smem(
                 k_gmem.at[row, keys, kv_head], k_smem.at[slot], k_barriers.at[slot]
             )
@@ -217,7 +224,10 @@ def _flash_kernel(
         def _prologue():
             queries = q_gmem.at[row, pl.ds(q_start, block_q), head]
             plgpu.copy_gmem_to_smem(queries, q_smem, q_barrier.at[0])
-            fetch(0)
+            # Block 0 exists (num_steps > 0), the next ones may not; none past S is traced.
+            for ahead in range(min(stages - 1, s // block_k)):
+                pl.when(ahead < num_steps)(functools.partial(fetch, ahead))
+
             plgpu.barrier_wait(q_barrier.at[0])
 
         def visible(j):
@@ -231,12 +241,13 @@ def _flash_kernel(
 
         def step(j, carry, masked: bool):
             acc, row_max, row_sum = carry
-            slot = lax.rem(j, 2)
+            slot = lax.rem(j, stages)
 
-            # Slot (j + 1) % 2 was last read by step j - 1, whose products are complete.
-            @pl.when(j + 1 < num_steps)
+            # Block j + stages - 1 goes to the slot step j - 1 read, whose products are
+            # complete (the wgmma results were read back into registers).
+            @pl.when(j + stages - 1 < num_steps)
             def _prefetch():
-                fetch(j + 1)
+                fetch(j + stages - 1)
 
             plgpu.barrier_wait(k_barriers.at[slot])
 
@@ -279,13 +290,13 @@ def _flash_kernel(
 
     scratch = [
         plgpu.SMEM((block_q, h), dtype, transforms=tiled),
-        plgpu.SMEM((2, block_k, h), dtype, transforms=tiled),
-        plgpu.SMEM((2, block_k, h), dtype, transforms=tiled),
+        plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
+        plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((h, block_k), dtype) if interpret else None,
         plgpu.SMEM((block_q, block_k), dtype, transforms=tiled) if interpret else None,
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
     ]
     return plgpu.kernel(
         body,

@@ -24,8 +24,8 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
 
 
-@partial(jax.jit, static_argnames=["causal", "block_q", "block_k"])
-def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64):
+@partial(jax.jit, static_argnames=["causal", "block_q", "block_k", "stages"])
+def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64, stages=2):
     return fa.flash_attention(
         q,
         k,
@@ -35,6 +35,7 @@ def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64)
         causal=causal,
         block_q=block_q,
         block_k=block_k,
+        stages=stages,
         interpret=not ON_GPU,
     )
 
@@ -78,6 +79,18 @@ def test_flash_attention_matches_the_reference(case, dtype, tolerance):
     assert _relative_error(out, ref) <= tolerance
     padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]  # queries past the length
     assert (np.asarray(out, np.float32)[padding] == 0).all()
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("case", ["causal_gqa4_prefix", "cross_gqa4"])
+def test_deeper_pipelines_give_the_same_attention(case, stages):
+    """3 and 4 K/V slots: rows walking fewer blocks than there are slots (fewer prefetches
+    than slots), and more (slots reused)."""
+    t, s, n, kv_heads, h, q_len, k_len, causal, block_q, _ = CASES[case]
+    q, k, v = _inputs(3, 2, t, s, n, kv_heads, h, jnp.float32)
+    q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, 64, stages)
+    assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-5
 
 
 def test_flash_attention_never_reads_past_the_lengths():
@@ -137,11 +150,11 @@ def test_flash_attention_declines_what_it_cannot_run():
     "causal, t, s, lengths",
     [(True, 1024, 1024, ([1024, 700], [1024, 900])), (False, 256, 1024, ([256, 31], [977, 400]))],
 )
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_flash_attention_on_gpu_matches_the_reference(causal, t, s, lengths, dtype):
+@pytest.mark.parametrize("dtype, stages", [(jnp.bfloat16, 2), (jnp.float16, 2), (jnp.bfloat16, 3)])
+def test_flash_attention_on_gpu_matches_the_reference(causal, t, s, lengths, dtype, stages):
     q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
     q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
-    out = fa.flash_attention(q, k, v, q_len, k_len, causal=causal)
+    out = fa.flash_attention(q, k, v, q_len, k_len, causal=causal, stages=stages)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-2
 
