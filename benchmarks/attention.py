@@ -10,7 +10,12 @@ implementation of a case is first checked against ``spark_jax.attention.referenc
 in fp32 on the same random inputs, with the device's free memory poisoned with NaN just
 before the run (so an output slot the kernel never writes shows up as NaN), then timed:
 
-- ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU),
+- ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU): the flash
+  kernel for prefill (``_s3``: 3 K/V stages, ``_k128``: 128-key blocks) and the split-K
+  kernel for decode (``_c128`` / ``_c64``: keys per program),
+- ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
+  route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
+  blocks in 3 stages),
 - ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
 - ``xla`` the reference as the engine runs it,
 - ``cudnn_paged`` cuDNN's paged attention (``spark_jax.attention.cache_attention``) over the
@@ -49,7 +54,7 @@ from benchmarks.common import (
     read_bandwidth,
 )
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention import flash_attention, flash_decode_attention
 from pallas_kernels.paged_attention import paged_attention
 from spark_jax.attention import AttentionMask, reference_attention
 
@@ -122,9 +127,8 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas_c128": partial(_pallas_decode, interpret=not ON_GPU, chunk=128),
             "pallas_c64": partial(_pallas_decode, interpret=not ON_GPU, chunk=64),
             "pallas_flash": partial(_pallas_flash_decode, interpret=not ON_GPU),
+            "pallas_flash_k64": partial(_pallas_flash_decode, interpret=not ON_GPU, block_k=64),
             "pallas_flash_s3": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=3),
-            "pallas_flash_s4": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=4),
-            "pallas_flash_k128": partial(_pallas_flash_decode, interpret=not ON_GPU, block_k=128),
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
@@ -149,8 +153,10 @@ def _pallas_decode(q, k, v, lengths, interpret: bool, chunk: int = 256) -> jax.A
 
 
 def _pallas_flash_decode(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
-    """The decode step through the flash kernel: each kv head's G query heads as the query
-    rows (padded to one 64-row block), every key of the row walked by one program."""
+    """The decode step through the flash kernel (``flash_decode_attention``, whose block
+    choice is 128 keys) or, with ``tuning``, the same rows with other blocks and stages."""
+    if not tuning:
+        return flash_decode_attention(q, k, v, lengths, interpret=interpret)
     b, _, n, h = q.shape
     kv_heads = k.shape[2]
     group = n // kv_heads
