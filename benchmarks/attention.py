@@ -22,7 +22,8 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   same K/V laid out in 16-key pages of a shuffled pool, and ``gather_cudnn`` what the batching
   engine did before it: gather the pages into rows, then ``cudnn`` (decode cases, GPU only),
 - ``pallas_paged`` our paged kernel (``pallas_kernels/paged_attention.py``) over the same pool,
-  in place, 256-key chunks of 16 pages (decode cases; interpreted off the GPU),
+  in place, 256-key chunks of 16 pages (decode cases; interpreted off the GPU), and
+  ``pallas_paged_flash`` the flash walk over the same pool (8 pages per 128-key block),
 - ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
   (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
   FA3 (``attention_mgpu``, GPU only; f16 only, so its timing includes a cast of q, k, v).
@@ -131,6 +132,7 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas_flash_s3": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=3),
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
+            "pallas_paged_flash": _paged(case, partial(_pallas_paged_flash, interpret=not ON_GPU)),
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
             "gather_cudnn": _paged(case, _gather_cudnn) if ON_GPU else None,
             "xla": xla,
@@ -213,6 +215,13 @@ def _decode_mask(lengths: jax.Array) -> AttentionMask:
 def _pallas_paged(q, k_pages, v_pages, lengths, interpret: bool) -> jax.Array:
     table = k_pages.block_table
     return paged_attention(q, k_pages.pages, v_pages.pages, table, lengths, interpret=interpret)
+
+
+def _pallas_paged_flash(q, k_pages, v_pages, lengths, interpret: bool) -> jax.Array:
+    table = k_pages.block_table
+    return flash_decode_attention(
+        q, k_pages.pages, v_pages.pages, lengths, block_table=table, interpret=interpret
+    )
 
 
 def _cudnn_paged(q, k_pages, v_pages, lengths) -> jax.Array:

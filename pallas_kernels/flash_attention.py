@@ -49,6 +49,7 @@ from pallas_kernels.decode_attention import (
     _transposed_keys,
     _with_layout,
 )
+from pallas_kernels.paged_attention import _chunked_table
 from spark_jax.attention import AttentionMask, reference_attention
 
 _LOG2E = math.log2(math.e)
@@ -122,6 +123,7 @@ def flash_attention(
     block_q: int = 64,
     block_k: int | None = None,
     stages: int = 2,
+    block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """q [B,T,N,H] over k/v [B,S,K,H] -> [B,T,N,H] in q's dtype.
@@ -133,34 +135,52 @@ def flash_attention(
     ``default_block_k``) divides S: pad the shapes, not the lengths. ``stages`` (2-4) K/V
     blocks are in flight per program: more hide more of the copy latency, fewer leave room
     for more programs per SM.
+
+    With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
+    place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
+    page_size (entries past a row's pages may hold anything: they are never walked, or masked
+    and pointed at the row's first page). Each key block then arrives as one TMA copy per page.
     """
     b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    dense_k, tables, page_size = k, (), None  # dense_k: what the checks see
+    if block_table is not None:  # the [B, S, K, H] rows the pages make up, in whole blocks
+        num_pages, page_size, kv_heads, _ = k.shape
+        if block_k is None:
+            block_k = default_block_k(h, block_table.shape[1] * page_size)
+        if block_k % page_size or page_size % 8:
+            raise ValueError(
+                f"pages of {page_size} keys must be a multiple of 8 that divides {block_k=}"
+            )
+        tables = (_chunked_table(block_table, num_pages, block_k // page_size),)
+        dense_k = jax.ShapeDtypeStruct((b, tables[0].shape[1] * page_size, kv_heads, h), k.dtype)
+    s, kv_heads = dense_k.shape[1], dense_k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
-    if not flash_attention_applies(q, k, block_q, block_k) or stages not in (2, 3, 4):
+    if not flash_attention_applies(q, dense_k, block_q, block_k) or stages not in (2, 3, 4):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
             f"{block_k=}, {stages=}"
         )
-    query_lengths, key_lengths = _lengths(q, k, query_lengths, key_lengths)
+    query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, q.dtype, causal, scale, interpret
-    )
-    return run(query_lengths, key_lengths, q, k, v)
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, q.dtype, causal, scale, page_size,
+        interpret,
+    )  # fmt: skip
+    return run(query_lengths, key_lengths, *tables, q, k, v)
 
 
-def flash_decode_applies(q: jax.Array, k: jax.Array) -> bool:
+def flash_decode_applies(q: jax.Array, k: jax.Array, paged: bool = False) -> bool:
     """True where ``flash_decode_attention`` runs: one query token per row, at most 64 query
-    heads per kv head, and the flash kernel's constraints on the key length and head dim."""
+    heads per kv head, head dim 64 or 128, and rows of whole 64-key blocks (k [B, S, K, H]) or
+    pages of a multiple of 8 keys dividing 128 (``paged``: k [pages, page size, K, H])."""
     _, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
+    keys, kv_heads = k.shape[1], k.shape[2]
     return (
         t == 1
         and n % kv_heads == 0
         and n // kv_heads <= 64
         and h in (64, 128)
-        and s % 64 == 0
+        and (keys % 8 == 0 and 128 % keys == 0 if paged else keys % 64 == 0)
         and k.dtype == q.dtype
     )
 
@@ -172,10 +192,12 @@ def flash_decode_attention(
     key_lengths: jax.Array,
     scale: float | None = None,
     *,
+    block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
-    ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros.
+    ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
+    int32[B, W], k and v are page pools [pages, page size, K, H] read in place.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -185,9 +207,10 @@ def flash_decode_attention(
     B=64, S=4096, GQA 32/8: 2.55 TB/s with 128-key blocks, cuDNN 2.45 in the same run.
     """
     b, _, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    if not flash_decode_applies(q, k):
+    kv_heads = k.shape[2]
+    if not flash_decode_applies(q, k, paged=block_table is not None):
         raise ValueError(f"flash_decode_attention does not apply to q {q.shape}, k {k.shape}")
+    s = k.shape[1] if block_table is None else 128
     group = n // kv_heads
     rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
     rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
@@ -202,6 +225,7 @@ def flash_decode_attention(
         causal=False,
         scale=scale,
         block_k=block_k,
+        block_table=block_table,
         interpret=interpret,
     )
     return out[:, :group].transpose(0, 2, 1, 3).reshape(b, 1, n, h)
@@ -231,32 +255,34 @@ def _flash_kernel(
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
+    page_size: int | None,
     interpret: bool,
 ) -> Callable[..., jax.Array]:
-    """The Mosaic GPU kernel: (query lengths, key lengths, q, k, v) -> out [B,T,N,H]."""
+    """The Mosaic GPU kernel: (query lengths, key lengths, [block table,] q, k, v) -> out
+    [B,T,N,H]; with ``page_size``, k and v are page pools and a block table comes before q."""
     group = n // kv_heads
+    pages_per_block = 1 if page_size is None else block_k // page_size
     num_q_blocks = t // block_q
     tiled = _smem_transforms(dtype)
 
-    def body(
-        # Inputs (GMEM).
-        q_lengths_gmem,  # int32[B]
-        k_lengths_gmem,  # int32[B]
-        q_gmem,  # [B, T, N, H]
-        k_gmem,  # [B, S, K, H]
-        v_gmem,  # [B, S, K, H]
-        # Output (GMEM).
-        out_gmem,  # [B, T, N, H]
-        # Scratch (SMEM).
-        q_smem,  # [Q, H] the query block, then the output block on its way out
-        k_smem,  # [stages, L, H]: block j in slot j % stages
-        v_smem,  # [stages, L, H]
-        kt_smem,  # [H, L] K^T, interpret mode only (else None)
-        p_smem,  # [Q, L] probabilities, the PV product's A operand, interpret mode only
-        q_barrier,  # 1 TMA barrier
-        k_barriers,  # one TMA barrier per slot
-        v_barriers,  # one TMA barrier per slot
-    ):
+    def body(*refs):
+        # Inputs (GMEM): int32[B] query and key lengths, the block table int32[B, S / page
+        # size] when paged, q [B, T, N, H], k and v [B, S, K, H] or [pages, page size, K, H].
+        q_lengths_gmem, k_lengths_gmem, *refs = refs
+        table_gmem = None if page_size is None else refs.pop(0)
+        q_gmem, k_gmem, v_gmem, *refs = refs
+        (
+            out_gmem,  # [B, T, N, H]
+            # Scratch (SMEM).
+            q_smem,  # [Q, H] the query block, then the output block on its way out
+            k_smem,  # [stages, L, H]: block j in slot j % stages
+            v_smem,  # [stages, L, H]
+            kt_smem,  # [H, L] K^T, interpret mode only (else None)
+            p_smem,  # [Q, L] probabilities, the PV product's A operand, interpret mode only
+            q_barrier,  # 1 TMA barrier
+            k_barriers,  # one TMA barrier per slot (one arrival per page when paged)
+            v_barriers,  # one TMA barrier per slot
+        ) = refs
         head, row = lax.axis_index("n"), lax.axis_index("b")
         q_block = lax.axis_index("q")
         if causal:  # the longest (last) query blocks first
@@ -269,13 +295,25 @@ def _flash_kernel(
         full_steps, num_steps = _key_blocks(q_start, q_length, k_length, block_q, block_k, causal)
 
         def fetch(step):
-            slot, keys = lax.rem(step, stages), pl.ds(step * block_k, block_k)
-            plgpu.copy_gmem_to_smem(
-                k_gmem.at[row, keys, kv_head], k_smem.at[slot], k_barriers.at[slot]
-            )
-            plgpu.copy_gmem_to_smem(
-                v_gmem.at[row, keys, kv_head], v_smem.at[slot], v_barriers.at[slot]
-            )
+            slot = lax.rem(step, stages)
+            if table_gmem is None:
+                keys = pl.ds(step * block_k, block_k)
+                plgpu.copy_gmem_to_smem(
+                    k_gmem.at[row, keys, kv_head], k_smem.at[slot], k_barriers.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_gmem.at[row, keys, kv_head], v_smem.at[slot], v_barriers.at[slot]
+                )
+                return
+            for i in range(pages_per_block):  # the block's pages, one after another in SMEM
+                page = table_gmem[row, step * pages_per_block + i]
+                keys = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(
+                    k_gmem.at[page, :, kv_head], k_smem.at[slot, keys], k_barriers.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_gmem.at[page, :, kv_head], v_smem.at[slot, keys], v_barriers.at[slot]
+                )
 
         @pl.when(num_steps > 0)
         def _prologue():
@@ -352,8 +390,8 @@ def _flash_kernel(
         plgpu.SMEM((h, block_k), dtype) if interpret else None,
         plgpu.SMEM((block_q, block_k), dtype, transforms=tiled) if interpret else None,
         plgpu.Barrier(num_barriers=1),
-        plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
     return plgpu.kernel(
         body,

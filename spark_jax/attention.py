@@ -264,9 +264,7 @@ def pallas_decode_attention(
 
     interpret = jax.default_backend() != "gpu"
     if q.shape[0] * k.shape[2] >= FLASH_DECODE_MIN_PROGRAMS and flash_decode_applies(q, k):
-        lengths = mask.key_lengths  # one query per row: causality only shortens its row
-        if mask.causal:
-            lengths = jnp.minimum(lengths, mask.query_positions[:, 0] + 1)
+        lengths = _one_query_lengths(mask)
         return flash_decode_attention(q, k, v, lengths, scale, interpret=interpret)
     chunk = next(c for c in _PALLAS_CHUNKS if decode_attention_applies(q, k, c))
     positions = mask.query_positions if mask.causal else None
@@ -335,9 +333,25 @@ def pallas_paged_attention(
     mask: AttentionMask,
     scale: float | None = None,
 ) -> jax.Array:
-    """q [B,T,N,H] over the pages of rows ``slots`` with the Pallas paged kernel."""
+    """q [B,T,N,H] over the pages of rows ``slots`` with our kernels, in place: the flash
+    walk for a one-token step over many rows (as ``pallas_decode_attention``), else the
+    split-K paged kernel."""
+    from pallas_kernels.flash_attention import flash_decode_applies, flash_decode_attention
     from pallas_kernels.paged_attention import paged_attention, paged_attention_applies
 
+    interpret = jax.default_backend() != "gpu"
+    if q.shape[0] * k_cache.pages.shape[2] >= FLASH_DECODE_MIN_PROGRAMS and flash_decode_applies(
+        q, k_cache.pages, paged=True
+    ):
+        return flash_decode_attention(
+            q,
+            k_cache.pages,
+            v_cache.pages,
+            _one_query_lengths(mask),
+            scale,
+            block_table=k_cache.table_rows(slots),
+            interpret=interpret,
+        )
     chunk = next(c for c in _PAGED_CHUNKS if paged_attention_applies(q, k_cache.pages, c))
     return paged_attention(
         q,
@@ -348,8 +362,15 @@ def pallas_paged_attention(
         mask.query_positions if mask.causal else None,
         scale,
         chunk=chunk,
-        interpret=jax.default_backend() != "gpu",
+        interpret=interpret,
     )
+
+
+def _one_query_lengths(mask: AttentionMask) -> jax.Array:
+    """Each row's visible keys for one query per row: causality only shortens the row."""
+    if not mask.causal:
+        return mask.key_lengths
+    return jnp.minimum(mask.key_lengths, mask.query_positions[:, 0] + 1)
 
 
 def _pallas_runs(q: jax.Array) -> bool:

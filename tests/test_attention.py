@@ -168,3 +168,28 @@ def test_forced_pallas_attends_over_pages_with_the_paged_kernel():
         out = att.cache_attention(q, k, v, None, mask)
     ref = att.reference_attention(q, k.read(None), v.read(None), mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size, width", [(8, 20), (16, 9), (64, 3)])
+def test_forced_pallas_walks_the_pages_of_many_rows_with_the_flash_kernel(
+    monkeypatch, page_size, width
+):
+    """Above ``FLASH_DECODE_MIN_PROGRAMS`` the paged step runs the flash walk over the pool
+    in place (a TMA copy per page into each key block; rows whose pages do not fill the last
+    128-key block, table entries past a row's pages): equal to the gather + reference."""
+    from pallas_kernels import flash_attention as fa
+
+    q, k, v, mask = _paged_inputs(
+        11, b=3, n=8, kv_heads=2, h=64, page_size=page_size, num_pages=64, width=width
+    )  # fmt: skip
+    walked = []
+    flash = fa.flash_decode_attention
+    monkeypatch.setattr(
+        fa, "flash_decode_attention", lambda *a, **kw: walked.append(1) or flash(*a, **kw)
+    )
+    monkeypatch.setattr(att, "FLASH_DECODE_MIN_PROGRAMS", 4)
+    with att.forced_implementation("pallas"):
+        out = att.cache_attention(q, k, v, None, mask)
+    assert walked == [1]
+    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
