@@ -28,19 +28,41 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
-        kernel = self.param(
-            "kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype
-        )
+        # Once adapters were fused (LoraPool.fuse_into) the stored kernel is [W | a]: one GEMM
+        # gives x W and x a. Its width is read from the params, never declared (Flax would
+        # refuse the shape), and the output is sliced, not the kernel (no copy of W per step).
+        if self.has_variable("params", "kernel"):
+            kernel = self.get_variable("params", "kernel")
+        else:
+            kernel = self.param(
+                "kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype
+            )
         out_dtype = self.out_dtype or self.dtype
         # The GEMM accumulates in fp32 and rounds once to the output dtype. Asking it for fp32
         # and converting after costs a kernel per projection: measured on the H200 (Llama-3-8B
         # shapes, bs=1) 4.87 -> 4.45 ms per decode step.
         y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
+        h = None  # x a, from a fused kernel's A columns
+        if kernel.shape[-1] > self.features:
+            y, h = y[..., : self.features], y[..., self.features :]
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         if lora is not None:  # per-row adapters: y += ((x a) * row_mask) b
-            y = y + lora.delta(x).astype(out_dtype)
+            y = y + _lora_delta(lora, x, h).astype(out_dtype)
         return y.astype(out_dtype)
+
+
+def _lora_delta(lora: LoraBatch, x: jax.Array, h: jax.Array | None) -> jax.Array:
+    """The adapters' update: x a from the pool, or h, the A columns of a fused kernel's GEMM."""
+    if not lora.kernel_columns:
+        return lora.delta(x)
+    columns = 0 if h is None else h.shape[-1]
+    if columns != lora.kernel_columns:
+        raise ValueError(
+            f"a fused adapter batch needs a kernel with {lora.kernel_columns} A columns beside "
+            f"W, this one has {columns}: fuse the params first (LoraPool.fuse_into)."
+        )
+    return lora.project(h)
 
 
 class RMSNorm(nn.Module):
@@ -68,8 +90,15 @@ class LayerNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
+        # One pass: E[x] and E[x^2] are sibling reductions of one input, which XLA's GPU
+        # multi-output fusion can run as one kernel; the two-pass E[(x - E[x])^2] waits for
+        # the mean, a second reduction kernel (NLLB-600M's decode step has 37 norms and is
+        # launch-bound; benchmarks/nllb.py counts its kernels). In fp32 the cancellation
+        # costs precision only when |mean| > ~256 std, past a bf16 input's own rounding;
+        # outlier channels raise the variance, not the mean.
         mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        var = jnp.maximum(mean_square - mean * mean, 0.0)
         normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
         return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 

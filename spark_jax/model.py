@@ -127,7 +127,12 @@ class Model:
         self.runner.lora_pool = LoraPool(targets, max_adapters, max_rank, self.dtype)
 
     def add_adapter(self, name: str, path: str | Path) -> None:
-        """Loads a PEFT adapter directory under ``name`` (selected by SamplingParams.adapter)."""
+        """Loads a PEFT adapter directory under ``name`` (selected by SamplingParams.adapter).
+
+        A decoder model's next step stores the adapters' A beside its kernels, in
+        ``self.params`` itself (no second copy of the weights; see ``LoraPool.fuse_into``):
+        arrays taken from ``params`` before then are deleted. ``merged`` gives plain params.
+        """
         from spark_jax.lora import read_peft_adapter
 
         adapter = read_peft_adapter(path, name)
@@ -149,7 +154,12 @@ class Model:
         return self.lora_pool.index(name)
 
     def merged(self, name: str) -> Model:
-        """A copy of this model with one adapter folded into its weights (no per-row LoRA)."""
+        """A copy of this model with one adapter folded into its weights (no per-row LoRA).
+
+        Its adapted kernels are new, plain ``[in, out]`` arrays (fit to save) even when this
+        model's are fused; the other weights are shared.
+        """
+        self.adapter_slot(name)  # unknown names (or no pool) are refused clearly
         params = self.lora_pool.merged_params(self.params, name)
         return Model(self.config, params, self.tokenizer, self.generation_config)
 

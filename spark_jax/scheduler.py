@@ -690,6 +690,7 @@ class Engine:
         with self._lock:
             steps = [("decode", self._warm_decode_args(w)) for w in self._decode_shapes()]
             steps += [("prefill", self._warm_prefill_args(*s)) for s in self.prefill_shapes()]
+            steps += [(name, (a, kw)) for name, (a, kw) in steps for kw in self._adapted(kw)]
             lowered = [getattr(self.runner, f"lower_{name}")(*a, **kw) for name, (a, kw) in steps]
             with ThreadPoolExecutor(max(1, compile_threads)) as pool:
                 list(pool.map(lambda program: program.compile(), lowered))
@@ -704,6 +705,15 @@ class Engine:
                 logits = _merge_rows(logits, chunk_logits, targets)
                 logits = _merge_rows(self._zero_logits, chunk_logits, targets)
             self._warm_sampler(logits)
+
+    def _adapted(self, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """A warm-up step's inputs with an adapter row, where that is another program (a
+        decoder with LoRA enabled: its runner passes no adapters for a base-only batch)."""
+        if "adapters" not in kwargs or not getattr(
+            self.runner, "adapter_rows_change_the_program", False
+        ):
+            return []
+        return [kwargs | {"adapters": [0] + kwargs["adapters"][1:]}]
 
     def _decode_shapes(self) -> list[int]:
         """The decode step's shapes to compile: one per block-table width."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,7 +81,7 @@ def _bf16(v) -> np.ndarray:
     return np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)
 
 
-def test_a_bf16_delta_rounds_like_the_fp32_low_rank_product_and_is_zero_for_base_rows():
+def test_a_bf16_delta_matches_the_fp32_low_rank_product_and_is_zero_for_base_rows():
     rng = np.random.default_rng(5)
     d, f, r = 64, 48, 4
     pool = LoraPool({"m": LoraTarget(("lin",), 0, 1, d, 0, f, f)}, 3, 8, jnp.bfloat16)
@@ -94,7 +96,7 @@ def test_a_bf16_delta_rounds_like_the_fp32_low_rank_product_and_is_zero_for_base
     rows = np.array([-1, 2, 0, 1, -1])
     x = jnp.asarray(rng.standard_normal((len(rows), 1, d)), jnp.bfloat16)
     delta = pool.batch(rows).scope("lin").delta(x)
-    assert delta.dtype == jnp.bfloat16  # rounded inside the GEMM, no fp32 result to convert
+    assert delta.dtype == jnp.float32  # x a rounds to bf16 in its GEMM, ·b's sum stays fp32
     delta = np.asarray(delta[:, 0], np.float32)
     assert not delta[rows == -1].any()
     for row, slot in enumerate(rows):
@@ -138,3 +140,161 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
     assert model.slot_pool.in_use == 0
     ok = sj.generate(model, [1, 2, 3], sj.SamplingParams(temperature=0.0, adapter="mlp_r2"))
     assert len(ok.output_tokens) == 16
+
+
+def test_adapter_a_fused_into_the_base_kernel_gives_the_pool_path_logits(lora_setup):
+    """``fuse_into`` + ``batch(fused=True)`` is the same math as the pool path, and
+    rewriting the fused columns after an adapter change follows the pool."""
+    hf, model, _ = lora_setup
+    config = model.config
+    targets = decoder.lora_targets(config)
+    rng = np.random.default_rng(7)
+
+    def adapter(name: str, rank: int) -> LoraAdapter:
+        weights = {
+            module: (rng.standard_normal((rank, t.in_dim)), rng.standard_normal((t.out_dim, rank)))
+            for module, t in targets.items()
+            if not module.endswith("k_proj")  # a module left out keeps its columns zero
+        }
+        return LoraAdapter(name, rank, 0.05, weights)
+
+    pool = LoraPool(targets, max_adapters=3, max_rank=4)
+    for name, rank in (("x", 4), ("y", 2), ("z", 3)):
+        pool.add(adapter(name, rank))
+    base = model_from_hf(hf).params
+    tokens = jnp.asarray([random_prompt(70 + i, 8) for i in range(4)], jnp.int32)
+    lengths = jnp.full((4,), 8, jnp.int32)
+
+    def logits(params, lora):
+        kv = decoder.init_cache(config, 4, 16, jnp.float32)
+        return np.asarray(decoder.verify(params, config, tokens, lengths, kv, lora)[0])
+
+    rows = np.array([2, -1, 0, 1])
+    fused = model_from_hf(hf).params
+    pool.fuse_into(fused)
+    np.testing.assert_allclose(
+        logits(fused, pool.batch(rows, True)), logits(base, pool.batch(rows)), rtol=1e-5, atol=1e-5
+    )
+    pool.remove("y")
+    pool.add(adapter("w", 4))
+    pool.fuse_into(fused)  # rewrites the A columns in place
+    width = pool.device_weights()["layers_0"]["attn"]["qkv_proj"]["a"].shape[1]
+    assert fused["layers_0"]["attn"]["qkv_proj"]["kernel"].shape[1] == config.qkv_size + width
+    adapted = logits(fused, pool.batch(rows, True))
+    np.testing.assert_allclose(adapted, logits(base, pool.batch(rows)), rtol=1e-5, atol=1e-5)
+    plain = logits(base, None)
+    np.testing.assert_allclose(adapted[1], plain[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(adapted[[0, 2, 3]] - plain[[0, 2, 3]]).max() > 1e-2
+    # No adapter input: a widened kernel's A columns are dropped from the output.
+    np.testing.assert_array_equal(logits(fused, None), plain)
+    with pytest.raises(ValueError, match="fuse the params first"):
+        logits(base, pool.batch(rows, True))
+
+
+def test_the_engine_steps_fused_kernels_and_adapter_changes_never_recompile(lora_setup, tmp_path):
+    """With adapters resident the steps run [W | A] kernels (x W and x A from one GEMM) and
+    give each request its solo result; warm-up compiles the steps with and without adapter rows,
+    and swapping an adapter after it only rewrites the A columns in place: nothing compiles."""
+    from test_scheduler import CompileCounter
+
+    from spark_jax.scheduler import Engine
+
+    _, model, peft_models = lora_setup
+    runner = model.runner
+    engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16)
+    engine.warmup()
+    pool_a = runner.lora_pool.device_weights()["layers_0"]["attn"]["qkv_proj"]["a"]
+    fused = runner.params["layers_0"]["attn"]["qkv_proj"]["kernel"]
+    assert runner.params is model.params
+    assert fused.shape[1] == model.config.qkv_size + pool_a.shape[1]
+
+    names = ["mlp_r2", None, "all_r4", "attn_r8_rslora"]
+    prompts = [random_prompt(300 + i, 5 + 4 * i) for i in range(4)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, adapter=n) for n in names
+    ]
+    peft_models["mlp_r2"].save_pretrained(tmp_path / "mlp_r2")
+
+    def swap_and_serve() -> list[list[int]]:
+        model.remove_adapter("mlp_r2")
+        model.add_adapter("mlp_r2", tmp_path / "mlp_r2")
+        return [r.output_tokens for r in engine.generate_many(prompts, params)]
+
+    with CompileCounter() as counter:  # warm-up compiled the adapter and base-only steps
+        first = swap_and_serve()
+        again = swap_and_serve()
+        only_base = [r.output_tokens for r in engine.generate_many(prompts[1:2], params[1:2])]
+    assert counter.count == 0
+    solo = [sj.generate(model, p, sp).output_tokens for p, sp in zip(prompts, params, strict=True)]
+    assert first == again == solo
+    assert only_base == [solo[1]]
+
+
+def _adapted_kernels(model: sj.Model) -> dict:
+    """Every kernel of ``model.params`` an adapter can target, by its params path."""
+    paths = {t.path for t in decoder.lora_targets(model.config).values()}
+    return {path: model.params[path[0]][path[1]][path[2]]["kernel"] for path in paths}
+
+
+@pytest.fixture
+def fresh_model(lora_setup, tmp_path):
+    """A new model of lora_setup's weights with no pool, and a PEFT adapter saved to disk."""
+    hf, _, peft_models = lora_setup
+    peft_models["all_r4"].save_pretrained(tmp_path / "all_r4")
+    return hf, model_from_hf(hf), tmp_path / "all_r4"
+
+
+def test_adding_an_adapter_widens_the_models_own_kernels_and_frees_the_old(fresh_model):
+    """One params tree: the first step after the first add widens each adapted kernel in
+    ``model.params`` itself and deletes the plain array; never narrowed again; base-only
+    generation after removing every adapter gives the plain model's tokens."""
+    hf, model, adapter_dir = fresh_model
+    prompts = [random_prompt(500 + i, 6 + 3 * i) for i in range(3)]
+    greedy = sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain_tokens = [r.output_tokens for r in sj.generate_batch(model, prompts, greedy)]
+    plain = _adapted_kernels(model)
+    embedding = model.params["embed_tokens"]["embedding"]
+
+    model.add_adapter("a", adapter_dir)
+    assert model.runner.params is model.params
+    adapted = sj.generate(model, prompts[0], dataclasses.replace(greedy, adapter="a"))
+    fused = _adapted_kernels(model)
+    for path, kernel in plain.items():
+        assert kernel.is_deleted(), path
+        assert fused[path].shape[0] == kernel.shape[0]
+        assert fused[path].shape[1] > kernel.shape[1], path
+    assert model.params["embed_tokens"]["embedding"] is embedding  # nothing else is touched
+    assert adapted.output_tokens != plain_tokens[0]
+
+    model.remove_adapter("a")
+    again = [r.output_tokens for r in sj.generate_batch(model, prompts, greedy)]
+    assert again == plain_tokens
+    still = _adapted_kernels(model)
+    for path, kernel in fused.items():
+        assert still[path].shape == kernel.shape, path  # never un-fused: zero A columns
+    np.testing.assert_array_equal(model.logits(prompts[1]), model_from_hf(hf).logits(prompts[1]))
+
+
+def test_merged_and_speculative_drafts_work_from_an_adapted_model(fresh_model):
+    """``merged`` gives plain kernels from fused ones; a layer-skip draft (sharing the model's
+    layer dicts) and plain target steps run on the widened kernels with no adapter input."""
+    from spark_jax.speculative import LayerSkipDrafter, generate_speculative
+
+    hf, model, adapter_dir = fresh_model
+    prompt = random_prompt(600, 9)
+    greedy = sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    early = LayerSkipDrafter(model, skip=[1])  # built before the kernels are widened
+    reference = sj.generate(model, prompt, greedy).output_tokens
+    model.add_adapter("a", adapter_dir)
+    with_adapter = dataclasses.replace(greedy, adapter="a")
+    adapted = sj.generate(model, prompt, with_adapter).output_tokens
+
+    merged = model.merged("a")
+    plain = _adapted_kernels(model_from_hf(hf))
+    for path, kernel in _adapted_kernels(merged).items():
+        assert kernel.shape == plain[path].shape, path
+    assert sj.generate(merged, prompt, greedy).output_tokens == adapted
+
+    for drafter in (early, LayerSkipDrafter(model, skip=[0])):
+        result = generate_speculative(model, prompt, greedy, 3, drafter)
+        assert result.output_tokens == reference

@@ -14,6 +14,7 @@ the cache in order, so reading the cache never copies it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -337,12 +338,21 @@ def init_params(
 class Runner:
     """Drives the decoder steps for the engine (see ``spark_jax.model.Runner``)."""
 
+    # A step with an adapter row and one without compile to different programs (the latter
+    # passes lora=None): an engine warms both up (spark_jax.scheduler.Engine.warmup).
+    adapter_rows_change_the_program = True
+
     def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
         self.config = config
+        # The Model's own params dict (one tree, never copied). Once an adapter is added its
+        # adapted kernels are widened in place to [W | A] (spark_jax.lora.LoraPool.fuse_into)
+        # and stay so: one GEMM gives x W and x A.
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
         self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
+        self._fused_version: int | None = None  # the pool version self.params holds the A's of
+        self._fuse_lock = threading.Lock()
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config)
@@ -391,6 +401,7 @@ class Runner:
         tokens = np.zeros((len(prompts), bucket(max(*lengths, min_len))), np.int32)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
+        lora = self._lora(adapters)
         args = (
             self.params,
             self.config,
@@ -399,7 +410,7 @@ class Runner:
             jnp.asarray(slots, jnp.int32),
             state,
         )
-        return args, {"fresh": not continuing, "lora": self._lora(adapters)}
+        return args, {"fresh": not continuing, "lora": lora}
 
     def decode(
         self,
@@ -419,7 +430,8 @@ class Runner:
         adapters: Sequence[int] | None = None,
     ) -> jax.stages.Lowered:
         """``decode``'s program for these inputs, traced but neither compiled nor run."""
-        return decode.lower(self.params, self.config, tokens, active, state, self._lora(adapters))
+        lora = self._lora(adapters)
+        return decode.lower(self.params, self.config, tokens, active, state, lora)
 
     def verify(
         self,
@@ -432,14 +444,31 @@ class Runner:
         return verify(self.params, self.config, tokens, lengths, state, lora)
 
     def lora_input(self, adapters: Sequence[int]) -> Any:
-        """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``)."""
+        """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,
+        with ``self.params`` read after this call)."""
         return self._lora(adapters)
 
     def _lora(self, adapters: Sequence[int] | None) -> Any:
-        """The step's adapter input: None when no adapter is loaded or none was asked for."""
-        if self.lora_pool is None or adapters is None:
+        """The step's adapter input: None when no row asks for an adapter, else a fused batch.
+
+        First brings ``self.params`` up to the pool. The first step after LoRA is enabled
+        (``Model.enable_lora``, or the first ``add_adapter``) widens the adapted kernels in
+        place; after that an add or remove only rewrites the A columns, so no step shape
+        changes and an engine warmed up with LoRA enabled never recompiles for adapters. The
+        kernels are never narrowed again: with no adapter loaded their A columns are zero, and
+        a base-only step (lora None) pays one slightly wider GEMM per adapted layer.
+        """
+        pool = self.lora_pool
+        if pool is None:
             return None
-        return self.lora_pool.batch(np.asarray(adapters, np.int32))
+        with self._fuse_lock:
+            if self._fused_version != pool.version:
+                pool.fuse_into(self.params)
+                self._fused_version = pool.version
+        slots = np.asarray([] if adapters is None else adapters, np.int32)
+        if not (slots >= 0).any():
+            return None
+        return pool.batch(slots, fused=True)
 
     def logits(self, ids: Sequence[int], adapter: int | None = None) -> np.ndarray:
         """float32 [T, V]: the logits of every position of one sequence."""
