@@ -417,15 +417,86 @@ def greedy_breakdown(model: Any, plan: Plan, sources: list[list[int]]) -> dict[s
         prefill_state = runner.init_state(n, max_len, max(len(s) for s in sources))
         _, seconds = timed(prefill)
         times.append(seconds)
-    return {"device_step_ms": step_s * 1e3, "prefill_ms": statistics.median(times) * 1e3}
+    out = {"device_step_ms": step_s * 1e3, "prefill_ms": statistics.median(times) * 1e3}
+    return out | engine_split(model, plan, sources)
+
+
+def engine_split(model: Any, plan: Plan, sources: list[list[int]], repeats: int = 3) -> dict:
+    """Where one ``generate_batch`` call's time goes: its device calls synced and timed apart.
+
+    ``loop_ms_per_step``: the engine's device loop (``_decode_chunk``: decode, argmax and stop
+    checks, up to STEPS_PER_SYNC steps per call, its dispatch included) per decode step;
+    against ``device_profile``'s ``greedy_len256_device_ms_per_step`` (the same step in a
+    fixed-count loop) it shows what the loop's per-call and per-step syncs add.
+    ``host_ms_per_step``: the rest of the call (Python bookkeeping, cache allocation,
+    transfers) per generated token. Medians of ``repeats`` calls; syncing removes the little
+    host/device overlap the engine has, so the parts add up to slightly more than ``ours_s``.
+    """
+    import spark_jax as sj
+    from spark_jax import engine
+
+    runner = model.runner
+    prefill = _Timer(runner.prefill, sync=True)
+    pick = _Timer(engine._pick, sync=True)
+    chunk = _Timer(engine._decode_chunk, sync=True)
+    originals = engine._pick, engine._decode_chunk
+    runner.prefill, engine._pick, engine._decode_chunk = prefill, pick, chunk
+    rows = []
+    try:
+        for _ in range(repeats):
+            for timer in (prefill, pick, chunk):
+                timer.seconds, timer.calls = 0.0, 0
+            start = time.perf_counter()
+            sj.generate_batch(model, sources, greedy_params(plan))
+            total = time.perf_counter() - start
+            device = prefill.seconds + pick.seconds + chunk.seconds
+            rows.append((total, prefill.seconds, pick.seconds, chunk.seconds, chunk.calls, device))
+    finally:
+        del runner.prefill  # the class's method again
+        engine._pick, engine._decode_chunk = originals
+    total, prefill_s, pick_s, chunk_s, calls, device = np.median(np.array(rows), axis=0)
+    decode_steps = plan.new_tokens - 1  # the first token comes from the prefill's logits
+    return {
+        "synced_total_ms": total * 1e3,
+        "prefill_synced_ms": prefill_s * 1e3,
+        "first_pick_ms": pick_s * 1e3,
+        "loop_calls": int(calls),
+        "loop_ms_per_step": chunk_s / decode_steps * 1e3,
+        "host_ms": (total - device) * 1e3,
+        "host_ms_per_step": (total - device) / plan.new_tokens * 1e3,
+    }
+
+
+_KERNEL_OPS = ("fusion(", "custom-call(", "gather(", "scatter(", "dot(", "convolution(")
+
+
+def _entry_lines(compiled_text: str) -> list[str]:
+    """The kernel-launching instruction lines of the compiled ENTRY block."""
+    entry = compiled_text[compiled_text.index("ENTRY") :]
+    entry = entry[: entry.find("\n}")]
+    return [line for line in entry.splitlines() if any(k in line for k in _KERNEL_OPS)]
 
 
 def _entry_kernels(compiled_text: str) -> int:
     """Kernel-launching instructions (fusions, library calls) of the compiled ENTRY block."""
-    entry = compiled_text[compiled_text.index("ENTRY") :]
-    entry = entry[: entry.find("\n}")]
-    kinds = ("fusion(", "custom-call(", "gather(", "scatter(", "dot(", "convolution(")
-    return sum(any(k in line for k in kinds) for line in entry.splitlines())
+    return len(_entry_lines(compiled_text))
+
+
+def _kernel_kinds(compiled_text: str) -> dict[str, int]:
+    """Those instructions counted by kind: a fusion's kind and the name XLA gave it (loop,
+    input reduction, triton_softmax, gemm fusion, ...), a custom call's target (cuBLAS,
+    cuDNN). Says which of a step's kernels a change should remove."""
+    counts: dict[str, int] = {}
+    for line in _entry_lines(compiled_text):
+        name = line.split("=")[0].strip().lstrip("%").rstrip("0123456789.")
+        if "custom_call_target=" in line:
+            kind = "custom-call:" + line.split('custom_call_target="')[1].split('"')[0]
+        elif "kind=" in line:
+            kind = line.split("kind=")[1].split(",")[0] + ":" + name
+        else:
+            kind = name
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 @partial(jax.jit, static_argnames=("config", "steps", "width"))
@@ -480,7 +551,9 @@ def device_profile(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str
         out[f"{name}_device_ms_per_step"] = _loop_ms_per_step(lambda k, r=run: r(steps=k), steps)
         if name == "greedy_len256":
             compiled = nllb.decode.lower(model.params, model.config, tokens, active, state)
-            out["decode_kernels_per_step"] = _entry_kernels(compiled.compile().as_text())
+            text = compiled.compile().as_text()
+            out["decode_kernels_per_step"] = _entry_kernels(text)
+            out["decode_kernel_kinds"] = _kernel_kinds(text)
             out["decode_argument_arrays"] = len(jax.tree_util.tree_leaves((model.params, state)))
             calls = []
             for _ in range(8):
@@ -591,9 +664,17 @@ def main() -> None:
         f" ms/step in {b['search_chunks']} chunks, prefill {b['prefill_s'] * 1e3:.1f} ms,"
         f" other {b['other_s'] * 1e3:.1f} ms"
     )
+    d = results["breakdown"]["device"]
     print(
         f"greedy step: device {g['device_step_ms']:.2f} ms, engine {g['engine_ms_per_step']:.2f}"
         f" ms/step, prefill {g['prefill_ms']:.1f} ms; logits check {results['logits_check']}"
+    )
+    print(
+        f"greedy call synced {g['synced_total_ms']:.1f} ms = prefill {g['prefill_synced_ms']:.1f}"
+        f" + first pick {g['first_pick_ms']:.1f} + device loop {g['loop_ms_per_step']:.3f} ms/step"
+        f" x {plan.new_tokens - 1} in {g['loop_calls']} calls (the step alone, fixed-count loop:"
+        f" {d['greedy_len256_device_ms_per_step']:.3f}) + host {g['host_ms']:.1f} ms"
+        f" ({g['host_ms_per_step']:.3f} ms/token)"
     )
     print(f"device profile: {results['breakdown']['device']}")
 

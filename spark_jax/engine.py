@@ -7,6 +7,14 @@ in chunks (a jitted while loop with the stop-token and max-token checks inside; 
 chunk when a consumer streams token by token, several otherwise). The host dispatches the next
 chunk before reading the last one, so its detokenizing and stop-string checks overlap the
 device's work, and it copies only token ids (and logprobs when asked) to the host.
+
+Host work per chunk is kept off the per-token path, because at NLLB-600M shapes a decode step
+is under a millisecond of device time: no chunk is dispatched that the host knows would be
+empty (every row ends at its max_tokens within the chunk in flight), the device's ``active``
+mask is sent only when a stop string ended a row (the device retires every other stop
+itself), one transfer brings a chunk's ids, and without a streaming consumer each row takes a
+chunk's tokens at once (no per-token event objects; numpy stop checks when the row has no
+text to decode).
 """
 
 from __future__ import annotations
@@ -78,11 +86,34 @@ def cache_len(n: int) -> int:
 # Device-side picking: one jitted function per step, so changing parameters never recompiles.
 
 
-@partial(jax.jit, donate_argnames=("token_counts",))
-def _pick(logits, batch: SamplerBatch, token_counts, prompt_mask, num_generated, active):
-    out = sample(logits, batch, token_counts, prompt_mask, num_generated)
-    token_counts = count_tokens(token_counts, out.tokens, active)
-    return out, token_counts, num_generated + active.astype(jnp.int32)
+def _device_done(tokens, num_generated, batch: SamplerBatch, max_tokens) -> jax.Array:
+    """The stops the device sees: a stop id past min_tokens, or max_tokens reached. The host
+    checks the same (plus stop strings), so the device's retirements are a subset of its own."""
+    is_stop = jnp.any(tokens[:, None] == batch.stop_ids, axis=-1)
+    return (is_stop & (num_generated >= batch.min_tokens)) | (num_generated >= max_tokens)
+
+
+def _argmax_output(logits: jax.Array) -> SampleOutput:
+    """Plain greedy picks; the logprob fields are zeros (no plain-greedy row reads them)."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    zeros = jnp.zeros(tokens.shape + (1,), jnp.float32)
+    return SampleOutput(tokens, zeros[:, 0], zeros, zeros.astype(jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("greedy",), donate_argnames=("token_counts",))
+def _pick(logits, batch: SamplerBatch, token_counts, prompt_mask, max_tokens, greedy: bool):
+    """The first token of every row (after prefill) as a one-step chunk, and the loop's carry
+    fields: the tokens, their counts, tokens generated, the rows that go on."""
+    n = logits.shape[0]
+    num_generated = jnp.ones((n,), jnp.int32)
+    if greedy:
+        out = _argmax_output(logits)
+    else:
+        out = sample(logits, batch, token_counts, prompt_mask, jnp.zeros((n,), jnp.int32))
+        token_counts = count_tokens(token_counts, out.tokens)
+    active = ~_device_done(out.tokens, num_generated, batch, max_tokens)
+    chunk = _Chunk(*(x[:, None] for x in out), jnp.ones((n, 1), bool))
+    return chunk, (out.tokens, active, token_counts, num_generated)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
@@ -138,6 +169,16 @@ class _Request:
         elif len(self.tokens) >= self.params.max_tokens:
             self._finish("length", None)
         return self._release()
+
+    @property
+    def plain(self) -> bool:
+        """No text, stop strings or logprobs: its chunks can be checked as arrays."""
+        return self.detok is None and not self.params.stop and self.logprobs is None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """Ended by a stop string: the one stop the device loop cannot see."""
+        return isinstance(self.stop_reason, str)
 
     def _match_stop_string(self) -> bool:
         window = self.text[max(0, self.emitted - self.holdback) :]
@@ -228,6 +269,18 @@ def stream_batch(
     ``steps_per_sync`` decode steps run per device call (tokens reach the host in chunks of
     that many); outputs do not depend on it.
     """
+    return _generate_rows(model, prompts, params, results, steps_per_sync, stream=True)
+
+
+def _generate_rows(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    results: list[GenerationResult] | None,
+    steps_per_sync: int,
+    stream: bool,
+) -> Iterator[StreamOutput]:
+    """``stream_batch``'s loop; yields nothing when ``stream`` is False (results only)."""
     prompts = [[int(t) for t in p] for p in prompts]
     plist = _as_list(params, len(prompts))
     _check_prompts(model, prompts, plist)
@@ -235,7 +288,9 @@ def stream_batch(
     adapters = [model.adapter_slot(p.adapter) for p in plist]  # unknown names fail here
     slots = model.slot_pool.acquire(len(prompts))
     try:
-        yield from _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync)
+        yield from _run_loop(
+            model, runner, prompts, plist, adapters, results, steps_per_sync, stream
+        )
     finally:
         model.slot_pool.release(slots)
 
@@ -262,56 +317,66 @@ def _start(model, runner, prompts, plist, adapters) -> tuple[_Batch, _Carry, _Ch
     lora_kw = {} if model.lora_pool is None else {"adapters": adapters}
     logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora_kw)
     vocab = logits.shape[-1]
-    prompt_mask = np.zeros((n, vocab), bool)
-    for i, p in enumerate(prompts):
-        prompt_mask[i, p] = True
+    greedy = all(_plain_greedy(p) for p in plist)
+    # Plain greedy reads neither the prompt mask nor the output counts: [B, 1] stand-ins spare
+    # a [B, V] host array and its transfer (8 MB at NLLB's vocab and B=32) on every call.
+    width = 1 if greedy else vocab
+    prompt_mask = np.zeros((n, width), bool)
+    if not greedy:
+        for i, p in enumerate(prompts):
+            prompt_mask[i, p] = True
     batch = _Batch(
         rows=rows,
         lora=runner.lora_input(adapters) if lora_kw else None,
         sampler=SamplerBatch.from_params(plist, vocab, model.eos_token_ids),
         prompt_mask=jnp.asarray(prompt_mask),
         max_tokens=jnp.asarray([p.max_tokens for p in plist], jnp.int32),
-        greedy=all(_plain_greedy(p) for p in plist),
+        greedy=greedy,
         want_logprobs=any(p.logprobs is not None for p in plist),
     )
-    counts = jnp.zeros((n, vocab), jnp.int32)
-    first, counts, num_generated = _pick(
-        logits,
-        batch.sampler,
-        counts,
-        batch.prompt_mask,
-        jnp.zeros((n,), jnp.int32),
-        jnp.ones((n,), bool),
+    counts = jnp.zeros((n, width), jnp.int32)
+    chunk, fields = _pick(
+        logits, batch.sampler, counts, batch.prompt_mask, batch.max_tokens, greedy=greedy
     )
-    carry = _Carry(state, first.tokens, jnp.ones((n,), bool), counts, num_generated)
-    fields = (first.tokens, first.logprobs, first.top_logprobs, first.top_ids)
-    chunk = _Chunk(*(x[:, None] for x in fields), jnp.ones((n, 1), bool))
-    return batch, carry, chunk
+    return batch, _Carry(state, *fields), chunk
 
 
-def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
+def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync, stream):
     t0 = time.perf_counter()
     batch, carry, chunk = _start(model, runner, prompts, plist, adapters)
+    rows = batch.rows
+    limits = _RowLimits.of(rows)
     host_done = np.zeros(len(prompts), bool)
+    sent_done = np.zeros(len(prompts), bool)  # rows whose end the device was told of
     timings: dict[str, float] = {}
     syncs = 0
+    chunk_steps = 1  # decode steps in ``chunk`` (the first holds the prefill's pick)
     while True:
         # Dispatch the next chunk of steps before reading this one: the device decodes while
-        # the host detokenizes and checks stops.
-        carry = dataclasses.replace(carry, active=carry.active & jnp.asarray(~host_done))
-        carry, next_chunk = _decode_chunk(
-            runner.decode_fn,
-            runner.params,
-            batch.lora,
-            carry,
-            batch.sampler,
-            batch.prompt_mask,
-            batch.max_tokens,
-            num_steps=steps_per_sync,
-            greedy=batch.greedy,
-            want_logprobs=batch.want_logprobs,
+        # the host detokenizes and checks stops. Not when every running row reaches its
+        # max_tokens within this chunk: the next one would run no row.
+        ahead = any(
+            not host_done[r.index] and len(r.tokens) + chunk_steps < r.params.max_tokens
+            for r in rows
         )
-        host = jax.device_get(chunk)
+        if ahead:
+            stopped = host_done & ~sent_done
+            if stopped.any():  # a stop string ended rows the device still runs
+                carry = dataclasses.replace(carry, active=carry.active & jnp.asarray(~host_done))
+                sent_done |= host_done
+            carry, next_chunk = _decode_chunk(
+                runner.decode_fn,
+                runner.params,
+                batch.lora,
+                carry,
+                batch.sampler,
+                batch.prompt_mask,
+                batch.max_tokens,
+                num_steps=steps_per_sync,
+                greedy=batch.greedy,
+                want_logprobs=batch.want_logprobs,
+            )
+        host = _to_host(chunk, batch.want_logprobs)
         if syncs == 0:
             timings["ttft_s"] = time.perf_counter() - t0
         syncs += 1
@@ -319,14 +384,29 @@ def _run_loop(model, runner, prompts, plist, adapters, results, steps_per_sync):
             # The device retired rows the host still runs: its stop rule must be a subset of
             # the host's. Fail loudly rather than loop on empty chunks.
             raise RuntimeError("the device stopped rows the host had not; this is a bug.")
-        yield from _emit(host, batch.rows, host_done)
+        if stream:
+            yield from _emit(host, rows, host_done)
+        else:
+            _absorb(host, rows, host_done, limits)
+        # Rows the device retired itself (stop ids, max_tokens) need no message.
+        sent_done |= host_done & ~np.array([r.stopped_by_string for r in rows])
         if host_done.all():
             break
-        chunk = next_chunk
+        if not ahead:
+            raise RuntimeError("rows outlived their max_tokens on the host; this is a bug.")
+        chunk, chunk_steps = next_chunk, steps_per_sync
     timings["total_s"] = time.perf_counter() - t0
     timings["host_syncs"] = syncs
     if results is not None:
-        results.extend(r.result(timings) for r in batch.rows)
+        results.extend(r.result(timings) for r in rows)
+
+
+def _to_host(chunk: _Chunk, want_logprobs: bool) -> _Chunk:
+    """The chunk as numpy, in one transfer; the logprob fields only when a row wants them."""
+    if want_logprobs:
+        return jax.device_get(chunk)
+    tokens, valid = jax.device_get((chunk.tokens, chunk.valid))
+    return _Chunk(tokens, None, None, None, valid)
 
 
 def _emit(host: Any, rows: list[_Request], host_done: np.ndarray) -> Iterator[StreamOutput]:
@@ -343,6 +423,64 @@ def _emit(host: Any, rows: list[_Request], host_done: np.ndarray) -> Iterator[St
             yield StreamOutput(row.index, token, delta, lp)
             if row.finish_reason is not None:
                 host_done[row.index] = True
+
+
+class _RowLimits(NamedTuple):
+    """The host's stop rule of every row as arrays, for checking a chunk at once."""
+
+    stop_ids: np.ndarray  # int[B, W]: each row's stop ids, padded with -1
+    min_tokens: np.ndarray  # int[B]
+    max_tokens: np.ndarray  # int[B]
+    plain: np.ndarray  # bool[B]: the row is checked here (else token by token)
+
+    @classmethod
+    def of(cls, rows: list[_Request]) -> _RowLimits:
+        width = max(1, *(len(r.stop_ids) for r in rows))
+        stop_ids = np.full((len(rows), width), -1, np.int64)
+        for r in rows:
+            stop_ids[r.index, : len(r.stop_ids)] = sorted(r.stop_ids)
+        return cls(
+            stop_ids,
+            np.array([r.params.min_tokens for r in rows]),
+            np.array([r.params.max_tokens for r in rows]),
+            np.array([r.plain for r in rows]),
+        )
+
+
+def _absorb(host: Any, rows: list[_Request], host_done: np.ndarray, limits: _RowLimits) -> None:
+    """``_emit`` without a consumer: the same tokens and ends, no per-token events.
+
+    Plain rows are checked for the whole chunk in numpy (the stop and length rules of
+    ``_Request.add``, the stop id first); the others go token by token.
+    """
+    valid = host.valid & ~host_done[:, None]  # a prefix of each row: rows only ever retire
+    held = np.array([len(r.tokens) for r in rows])[:, None] + np.cumsum(valid, axis=1)
+    is_stop = (host.tokens[:, :, None] == limits.stop_ids[:, None, :]).any(-1)
+    stops = is_stop & (held >= limits.min_tokens[:, None])
+    ends = valid & (stops | (held >= limits.max_tokens[:, None]))
+    first_end = np.where(ends.any(1), ends.argmax(1), -1)
+    taken = np.where(first_end >= 0, first_end + 1, valid.sum(1))
+    for row in rows:
+        i = row.index
+        if not valid[i, 0]:
+            continue
+        if limits.plain[i]:
+            row.tokens.extend(host.tokens[i, : taken[i]].tolist())
+            end = first_end[i]
+            # A stop id wins over the length limit at the same token, as in add.
+            if end >= 0 and stops[i, end]:
+                row._finish("stop", int(host.tokens[i, end]))
+            elif end >= 0:
+                row._finish("length", None)
+        else:
+            for step in range(taken[i]):
+                lp = None
+                if row.params.logprobs is not None:
+                    lp = _token_logprobs(host, i, step, row.params.logprobs)
+                row.add(int(host.tokens[i, step]), lp)
+                if row.finish_reason is not None:
+                    break
+        host_done[i] = row.finish_reason is not None
 
 
 @jax.tree_util.register_dataclass
@@ -421,8 +559,7 @@ def _decode_chunk(
             counts = count_tokens(c.counts, picked.tokens, c.active)
         tokens = jnp.where(c.active, picked.tokens, c.tokens)
         num_generated = c.num_generated + c.active.astype(jnp.int32)
-        is_stop = jnp.any(tokens[:, None] == batch.stop_ids, axis=-1)
-        done = (is_stop & (num_generated >= batch.min_tokens)) | (num_generated >= max_tokens)
+        done = _device_done(tokens, num_generated, batch, max_tokens)
         out = _Chunk(
             out.tokens.at[:, i].set(tokens),
             out.logprobs.at[:, i].set(picked.logprobs),
@@ -446,11 +583,14 @@ def generate_batch(
     """Generates for every prompt as one batch (one decode step for all rows)."""
     results: list[GenerationResult] = []
     params = SamplingParams(temperature=0.0) if params is None else params
-    # Without a per-token consumer, several steps per device call save host round trips.
-    steps = 1 if on_token is not None else STEPS_PER_SYNC
-    for event in stream_batch(model, prompts, params, results, steps):
-        if on_token is not None:
-            on_token(event)
+    if on_token is None:
+        # Without a per-token consumer, several steps per device call save host round trips,
+        # and no per-token events are built.
+        for _ in _generate_rows(model, prompts, params, results, STEPS_PER_SYNC, stream=False):
+            pass
+        return results
+    for event in stream_batch(model, prompts, params, results, 1):
+        on_token(event)
     return results
 
 

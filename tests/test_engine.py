@@ -97,6 +97,38 @@ def test_model_eos_ids_stop_generation_unless_ignored(tiny_llama):
     assert ignored.output_tokens == free
 
 
+def test_a_batch_without_a_consumer_ends_every_row_as_the_streamed_batch_does(tiny_llama):
+    # generate_batch with no on_token checks whole chunks in numpy; streaming goes token by
+    # token. Stops land mid-chunk, on the first token, at min_tokens and at max_tokens.
+    _, model = tiny_llama
+    prompts = [random_prompt(40 + i, 5 + 3 * i) for i in range(6)]
+    free = [r.output_tokens for r in sj.generate_batch(model, prompts, GREEDY)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[free[0][5]]),
+        sj.SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[free[1][0]]),
+        sj.SamplingParams(
+            temperature=0.0, max_tokens=12, min_tokens=3, stop_token_ids=[free[2][0], free[2][4]]
+        ),
+        sj.SamplingParams(temperature=0.0, max_tokens=1),
+        sj.SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[free[4][8]]),
+        sj.SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+    ]
+    streamed: list[sj.StreamOutput] = []
+    batch = sj.generate_batch(model, prompts, params)
+    stream = sj.generate_batch(model, prompts, params, on_token=streamed.append)
+    summary = lambda rs: [(r.output_tokens, r.finish_reason, r.stop_reason) for r in rs]
+    assert summary(batch) == summary(stream)
+    first_stop = free[0].index(free[0][5])
+    assert batch[0].output_tokens == free[0][: first_stop + 1]
+    assert (len(batch[1].output_tokens), batch[1].finish_reason) == (1, "stop")
+    assert len(batch[2].output_tokens) >= 3  # the first token is a stop id, held off
+    assert (len(batch[3].output_tokens), batch[3].finish_reason) == (1, "length")
+    assert batch[4].stop_reason == free[4][8] and len(batch[4].output_tokens) <= 9
+    assert [e.token_id for e in streamed if e.index == 2] == stream[2].output_tokens
+    assert [lp.token_id for lp in batch[5].logprobs] == batch[5].output_tokens
+    assert batch[5].logprobs == stream[5].logprobs
+
+
 def test_streaming_callback_sees_every_token_in_order(tiny_llama):
     _, model = tiny_llama
     ids = random_prompt(15, 6)

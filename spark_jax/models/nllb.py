@@ -401,6 +401,9 @@ class Nllb(nn.Module):
 # Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
 
 
+# One jitted call allocates every buffer: built op by op, the 4 x layers + 2 zero arrays were
+# as many dispatches on each generate call (~50 at NLLB-600M's 12 decoder layers).
+@partial(jax.jit, static_argnames=("config", "num_slots", "max_len", "max_source_len", "dtype"))
 def init_cache(
     config: NllbConfig, num_slots: int, max_len: int, max_source_len: int, dtype: jnp.dtype
 ) -> EncoderDecoderCache:
