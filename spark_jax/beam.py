@@ -40,7 +40,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -103,9 +103,12 @@ class BeamResult:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Slots:
-    """Each request slot's fixed settings, written by the host when a request is admitted."""
+    """Each request slot's fixed settings and each cache row's owner, written by the host when
+    a request is admitted."""
 
     rows: jax.Array  # int32[R, B]: the cache row of each beam (0 past num_beams: never written)
+    row_slot: jax.Array  # int32[rows]: the slot that last took each cache row (0: never)
+    row_beam: jax.Array  # int32[rows]: the row's beam in that slot
     num_beams: jax.Array  # int32[R]
     max_length: jax.Array  # int32[R]: HF's max_length, max_new + 2
     early_true: jax.Array  # bool[R]: early_stopping is True
@@ -196,8 +199,24 @@ def _initial_search(slots: _Slots, length: int) -> _Search:
 
 @partial(jax.jit, static_argnames=("k",))
 def _top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Per row, the k largest log-softmax values (descending) and their token ids."""
-    return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    """Per row, the k largest log-softmax values (descending) and their token ids.
+
+    log_softmax shifts a row by one constant, so its top k are the logits' top k: only the k
+    picks are shifted, in ``jax.nn.log_softmax``'s arithmetic ``(x - max) - log(sum(exp(x -
+    max)))``, with the max read off the top k. Two passes over the [rows, V] logits (top-k,
+    then the sum) where log-softmax then top-k made four and wrote float32 [rows, V]
+    log-probs (131 MB at NLLB's 128 rows x 256206). Distinct logits whose log-probs round
+    equal rank by logit here (their exact order), not by index.
+
+    The max is ``max(values)``, not ``values[:, :1]``: XLA lowers top-k to a sort and slice
+    and matches them back to its top-k kernel, and a second slice of that sort (merged with
+    the first by the simplifier) defeats the match and leaves a full sort of [rows, V].
+    """
+    logits = logits.astype(jnp.float32)
+    values, ids = jax.lax.top_k(logits, k)
+    peak = jnp.max(values, axis=-1, keepdims=True)  # = values[:, 0]
+    log_total = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+    return (values - peak) - log_total, ids
 
 
 def _continuations(s: _Search, values: jax.Array, ids: jax.Array, keep: int) -> _Top:
@@ -319,23 +338,43 @@ def _step(
     s = c.search
     search, parents, tokens = _advance(s, c.sequences, values, ids, eos)
     search = _select(mask, search, s)
-    num_rows = c.tokens.shape[0]
-    moving = mask[:, None] & _beam_mask(s.slots)
-    target = jnp.where(moving, s.slots.rows, num_rows)  # out of range: dropped by every write
-    source = jnp.arange(num_rows).at[target].set(_take(s.slots.rows, parents), mode="drop")
-    position = jnp.broadcast_to((s.cur_len - 2)[:, None], target.shape)
-    running = jnp.broadcast_to(search.live[:, None], target.shape)
+    # Per cache row, gathers from its (slot, beam) rather than scatters from the slots: the
+    # row updates then fuse with each other (a scatter is a kernel of its own on the GPU).
+    slot, beam = s.slots.row_slot, s.slots.row_beam
+    row = jnp.arange(slot.shape[0])
+    owned = (beam < s.slots.num_beams[slot]) & (s.slots.rows[slot, beam] == row)
+    moving = mask[slot] & owned  # rows a freed slot left behind are not its rows any more
+    source = jnp.where(moving, s.slots.rows[slot, parents[slot, beam]], row)
+    token = tokens[slot, beam]
+    position = jnp.arange(c.sequences.shape[1]) == (s.cur_len[slot] - 2)[:, None]
     return _Carry(
         cache=c.cache.gather_rows(source, cross),
-        tokens=c.tokens.at[target].set(tokens, mode="drop"),
-        active=c.active.at[target].set(running, mode="drop"),
-        sequences=c.sequences[source].at[target, position].set(tokens, mode="drop"),
+        tokens=jnp.where(moving, token, c.tokens),
+        active=jnp.where(moving, search.live[slot], c.active),
+        sequences=jnp.where(moving[:, None] & position, token[:, None], c.sequences[source]),
         search=search,
     )
 
 
 # ---------------------------------------------------------------------------------------------
-# The two device entry points: a request's first step, and a chunk of steps for all.
+# The device entry points: a request's first step (from its prefill's top log-probs), and a
+# chunk of steps for all.
+
+
+@partial(jax.jit, static_argnames=("num_rows",))
+def _in_first_rows(
+    values: jax.Array, ids: jax.Array, first_rows: jax.Array, num_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """Admitted request i's prefill top log-probs ``values[i]`` / ``ids[i]`` put in cache row
+    ``first_rows[i]`` of [num_rows, W] (-inf elsewhere): one fixed shape, so ``_start``
+    compiles once whatever the number of admitted requests. Done on the device, so the host
+    queues the first step and the first chunk while the prefill still runs, instead of
+    waiting to read the [n, W] back."""
+    shape = (num_rows, values.shape[1])
+    return (
+        jnp.full(shape, -jnp.inf, jnp.float32).at[first_rows].set(values),
+        jnp.zeros(shape, jnp.int32).at[first_rows].set(ids),
+    )
 
 
 @partial(jax.jit, donate_argnames=("carry",))
@@ -426,11 +465,23 @@ def _check(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
     return adapters
 
 
+@lru_cache(maxsize=64)
+def _denominators(length_penalty: float, size: int) -> np.ndarray:
+    """float32[size]: ``n ** length_penalty`` for n = 0 .. size - 1 (n = 0 as 1), computed
+    like HF's divisor: a Python float (int ** float, in double) cast to float32. Cached: a
+    lane admits many requests with the same few penalties, each would loop over ``size``."""
+    denom = np.array([float(max(n, 1)) ** length_penalty for n in range(size)], np.float32)
+    denom.flags.writeable = False
+    return denom
+
+
 class _SlotTable:
     """The host's copy of every slot's ``_Slots`` settings (numpy, uploaded at admission)."""
 
     def __init__(self, num_slots: int, beams: int, length: int):
         self.rows = np.zeros((num_slots, beams), np.int32)
+        self.row_slot = np.zeros(num_slots, np.int32)  # as many cache rows as slots
+        self.row_beam = np.full(num_slots, beams, np.int32)  # past every num_beams: no beam
         self.num_beams = np.ones(num_slots, np.int32)
         self.max_length = np.full(num_slots, 3, np.int32)
         self.early_true = np.zeros(num_slots, bool)
@@ -440,18 +491,19 @@ class _SlotTable:
     def set(self, slot: int, rows: Sequence[int], request: BeamRequest) -> None:
         self.rows[slot] = 0
         self.rows[slot, : len(rows)] = rows
+        self.row_slot[rows] = slot
+        self.row_beam[rows] = np.arange(len(rows))
         self.num_beams[slot] = request.num_beams
         self.max_length[slot] = request.max_new + 2
         self.early_true[slot] = request.early_stopping is True
         never = request.early_stopping == "never" and request.length_penalty > 0.0
         self.best_len[slot] = request.max_new + 1 if never else 0
-        # HF divides float32 scores by a Python float (int ** float, in double) cast to float32.
-        lengths = range(self.denom.shape[1])
-        self.denom[slot] = [float(max(n, 1)) ** request.length_penalty for n in lengths]
+        self.denom[slot] = _denominators(request.length_penalty, self.denom.shape[1])
 
     def device(self) -> _Slots:
-        fields = (self.rows, self.num_beams, self.max_length, self.early_true, self.best_len)
-        return _Slots(*(jnp.asarray(f) for f in fields), jnp.asarray(self.denom))
+        fields = (self.rows, self.row_slot, self.row_beam, self.num_beams, self.max_length)
+        fields += (self.early_true, self.best_len, self.denom)
+        return _Slots(*(jnp.asarray(f) for f in fields))
 
 
 def _idle_search(table: _SlotTable, length: int) -> _Search:
@@ -602,13 +654,10 @@ class BeamLane:
         lora = {"adapters": [self.adapters[i] for _, i, _ in admitted]} if self.use_lora else {}
         prompts = [r.prompt_tokens for r in requests]
         logits, state = self.runner.prefill(self.carry.cache, first_rows, prompts, requests, **lora)
-        # The prefill's top log-probs go to each request's first row: a fixed [rows, W] shape,
-        # so the first step compiles once whatever the number of admitted requests.
-        top_values, top_ids = jax.device_get(_top_log_probs(logits, self.width))
-        values = np.full((len(self.row_adapters), self.width), -np.inf, np.float32)
-        ids = np.zeros(values.shape, np.int32)
-        values[first_rows], ids[first_rows] = top_values, top_ids
-        fresh = np.zeros(len(self.row_adapters), bool)  # one slot per row
+        num_rows = len(self.row_adapters)
+        values, ids = _top_log_probs(logits, self.width)
+        values, ids = _in_first_rows(values, ids, np.asarray(first_rows, np.int32), num_rows)
+        fresh = np.zeros(num_rows, bool)  # one slot per row
         fresh[[slot for slot, _, _ in admitted]] = True
         carry = dataclasses.replace(self.carry, cache=state)
         self.carry = _start(carry, values, ids, self.eos, self.table.device(), fresh)
