@@ -45,6 +45,7 @@ from jax import lax
 from pallas_kernels.decode_attention import (
     _interpret_params,
     _iota,
+    _shared,
     _smem_transforms,
     _transposed_keys,
     _with_layout,
@@ -242,6 +243,7 @@ def _lengths(
     return query_lengths.astype(jnp.int32), key_lengths.astype(jnp.int32)
 
 
+@functools.cache  # one jitted kernel per configuration: see _shared
 def _flash_kernel(
     b: int,
     t: int,
@@ -393,16 +395,18 @@ def _flash_kernel(
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((b, t, n, h), dtype),
-        scratch_types=scratch,
-        # Heads vary fastest: the G heads of one kv head run side by side and share its K/V
-        # blocks in L2.
-        grid=(n, num_q_blocks, b),
-        grid_names=("n", "q", "b"),
-        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
+    return _shared(
+        plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((b, t, n, h), dtype),
+            scratch_types=scratch,
+            # Heads vary fastest: the G heads of one kv head run side by side and share its K/V
+            # blocks in L2.
+            grid=(n, num_q_blocks, b),
+            grid_names=("n", "q", "b"),
+            compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+            interpret=_interpret_params() if interpret else None,
+        )
     )
 
 

@@ -28,6 +28,7 @@ C key chunks, L keys per chunk, P query rows written per kv head.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -44,6 +45,7 @@ from pallas_kernels.decode_attention import (
     _partial_types,
     _query_rows,
     _round_up,
+    _shared,
     decode_attention_applies,
     decode_attention_reference,
 )
@@ -132,6 +134,7 @@ def _chunked_table(block_table: jax.Array, num_pages: int, pages_per_chunk: int)
     return jnp.where(table < num_pages, table, first)
 
 
+@functools.cache  # one jitted kernel per configuration: see _shared
 def _paged_kernel(
     b: int,
     page_size: int,
@@ -186,15 +189,17 @@ def _paged_kernel(
             )
             _attend_chunk(smem, values_ready, slots, start, scale, interpret)
 
-    return plgpu.kernel(
-        body,
-        out_type=_partial_types(b, kv_heads, num_chunks, rows_written, h),
-        scratch_types=[
-            _ChunkScratch.types(dtype, h, chunk, interpret),
-            plgpu.Barrier(num_arrivals=2 + pages_per_chunk),
-            plgpu.Barrier(num_arrivals=pages_per_chunk),
-        ],
-        grid=(b, kv_heads, num_chunks),
-        grid_names=("b", "k", "c"),
-        interpret=_interpret_params() if interpret else None,
+    return _shared(
+        plgpu.kernel(
+            body,
+            out_type=_partial_types(b, kv_heads, num_chunks, rows_written, h),
+            scratch_types=[
+                _ChunkScratch.types(dtype, h, chunk, interpret),
+                plgpu.Barrier(num_arrivals=2 + pages_per_chunk),
+                plgpu.Barrier(num_arrivals=pages_per_chunk),
+            ],
+            grid=(b, kv_heads, num_chunks),
+            grid_names=("b", "k", "c"),
+            interpret=_interpret_params() if interpret else None,
+        )
     )

@@ -1,5 +1,6 @@
-"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, our Pallas
-flash kernel for prefill on Hopper, and the other Pallas kernels on request.
+"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, and our Pallas
+kernels on request (the flash kernel for prefill on Hopper by default once its warm-up cost is
+measured back down: ``FLASH_PREFILL_BY_DEFAULT``).
 
 Every caller describes what it wants with an ``AttentionMask`` of positions and lengths; the
 mask itself is built here, once, so the model files never build masks by hand. Models attend
@@ -227,10 +228,10 @@ def cache_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# Pallas (Mosaic GPU) kernels. The default dispatch runs the flash kernel for prefill on
-# Hopper; the decode kernels run on request (``implementation="pallas"`` or
-# ``forced_implementation("pallas")``) until the H200 benchmark (benchmarks/attention.py)
-# shows them beating cuDNN, which it did not (B=64: 1.68 against 2.18 TB/s).
+# Pallas (Mosaic GPU) kernels. The default dispatch can run the flash kernel for prefill on
+# Hopper (``FLASH_PREFILL_BY_DEFAULT``); the decode kernels run on request
+# (``implementation="pallas"`` or ``forced_implementation("pallas")``): against cuDNN in the
+# same H200 runs they are 0.95-1.13x (dense) and 1.05x (paged), within the device's noise.
 
 _PALLAS_CHUNKS = (256, 128, 64)  # keys per program, largest first
 
@@ -247,6 +248,14 @@ def pallas_decode_applies(
         return False
     return any(decode_attention_applies(q, k, c, sliding_window) for c in _PALLAS_CHUNKS)
 
+
+# The flash kernel for prefill on Hopper in the default dispatch. Measured on the H200 (runs k
+# and o of BENCHMARKS.md): a 4 x 2048 prefill 268 -> 186 ms (95% of the matmul rate), but an
+# 8B serving engine's warm-up 33 -> 118 s (startup 130 s against issue 7's 60 s), each of the
+# 32 layers' calls compiling its own copy of the kernel. Kernels are now shared per
+# configuration (``_shared`` in pallas_kernels/decode_attention.py); until a GPU run shows the
+# startup back under 60 s with this on, prefill keeps the reference by default.
+FLASH_PREFILL_BY_DEFAULT = False
 
 # A one-token step with at least this many (row, kv head) programs walks its keys through the
 # flash kernel (measured at B=64, K=8: 2.55 TB/s against split-K's 1.42-1.92); fewer leave SMs
@@ -423,8 +432,9 @@ def attention(
     """The attention entry point of every model; picks the implementation for the backend.
 
     ``implementation`` None picks: cuDNN for a decode step on the GPU, our flash kernel for a
-    prefill on Hopper where it applies (measured on the H200, causal GQA 32/8: 359 TFLOP/s at
-    S=8192 and 262 at S=2048 against the reference's 47 and 43), else the reference;
+    prefill on Hopper where it applies if ``FLASH_PREFILL_BY_DEFAULT`` (measured on the H200,
+    causal GQA 32/8: 359 TFLOP/s at S=8192 and 262 at S=2048 against the reference's 47 and
+    43), else the reference;
     "xla" forces the reference, "cudnn" and "pallas" force those kernels and raise where they
     do not apply. ``forced_implementation`` overrides None.
     """
@@ -432,7 +442,12 @@ def attention(
     if implementation is None:
         if cudnn_decode_applies(q, k, sliding_window):
             return cudnn_decode_attention(q, k, v, mask, scale)
-        if q.shape[1] > 1 and _pallas_compiles(q) and pallas_prefill_applies(q, k, sliding_window):
+        if (
+            FLASH_PREFILL_BY_DEFAULT
+            and q.shape[1] > 1
+            and _pallas_compiles(q)
+            and pallas_prefill_applies(q, k, sliding_window)
+        ):
             return pallas_prefill_attention(q, k, v, mask, scale)
         return reference_attention(q, k, v, mask, sliding_window, scale)
     if implementation == "xla":

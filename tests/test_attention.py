@@ -119,13 +119,15 @@ def test_cudnn_paged_decode_attention_matches_the_gather_on_gpu(page_size):
 
 
 def test_dispatch_runs_the_flash_kernel_for_prefill_where_it_compiles(monkeypatch):
-    """Where our kernels compile (Hopper, bf16), a prefill (T > 1) goes through the flash
-    kernel and a decode step does not; here the check is patched, the kernel interpreted."""
+    """With ``FLASH_PREFILL_BY_DEFAULT`` and where our kernels compile (Hopper, bf16), a
+    prefill (T > 1) goes through the flash kernel and a decode step does not; here the check
+    is patched, the kernel interpreted."""
     if jax.default_backend() == "gpu":
         pytest.skip("on the GPU the real check decides; tests/test_gpu_paths.py covers it")
     calls = []
     flash = att.pallas_prefill_attention
     monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
+    monkeypatch.setattr(att, "FLASH_PREFILL_BY_DEFAULT", True)
     monkeypatch.setattr(
         att, "pallas_prefill_attention", lambda *a, **kw: calls.append(a[0].shape) or flash(*a)
     )

@@ -1,7 +1,7 @@
 """On the GPU: the optimized attention paths give the plain-XLA path's greedy tokens (bf16).
 
 The optimized paths are the dispatch's (cuDNN's dense decode attention in ``sj.generate``,
-cuDNN's paged decode attention in ``sj.Engine``, our flash kernel for prefill on Hopper) and
+cuDNN's paged decode attention in ``sj.Engine``) and
 all of our Pallas kernels (``forced_implementation("pallas")``); the plain path forces every
 attention to the jnp reference (``forced_implementation("xla")``, the engine then gathers its
 pages). In bf16 two paths may
@@ -79,9 +79,9 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
     "implementation, shortest", [(None, 3), ("pallas", 33)], ids=["dispatch", "pallas"]
 )
 def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest):
-    """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged, and on
-    Hopper our flash kernel for prefills of 64 tokens and more). ``"pallas"``: every attention
-    through our kernels (flash prefill, split-K decode, paged decode, the paged kernel's causal
+    """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged; our flash
+    kernel for prefill where ``FLASH_PREFILL_BY_DEFAULT``, as in run k). ``"pallas"``: every
+    attention through our kernels (flash prefill, split-K decode, paged decode, the paged kernel's causal
     rows for an engine's second prefill chunk); its prompts are 33 tokens or more, so every
     prefill bucket is a multiple of the kernels' 64-key blocks."""
     model = _model()
