@@ -81,9 +81,9 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
 def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest):
     """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged; our flash
     kernel for prefill where ``FLASH_PREFILL_BY_DEFAULT``, as in run k). ``"pallas"``: every
-    attention through our kernels (flash prefill, split-K decode, paged decode, the paged kernel's causal
-    rows for an engine's second prefill chunk); its prompts are 33 tokens or more, so every
-    prefill bucket is a multiple of the kernels' 64-key blocks."""
+    attention through our kernels (flash prefill, split-K decode, paged decode, the paged
+    kernel's causal rows for an engine's second prefill chunk); its prompts are 33 tokens or
+    more, so every prefill bucket is a multiple of the kernels' 64-key blocks."""
     model = _model()
     rng = np.random.default_rng(0)
     lengths = rng.integers(shortest, 90, 10)
