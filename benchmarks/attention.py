@@ -130,7 +130,9 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas_c64": partial(_pallas_decode, interpret=not ON_GPU, chunk=64),
             "pallas_flash": partial(_pallas_flash_decode, interpret=not ON_GPU),
             "pallas_flash_k64": partial(_pallas_flash_decode, interpret=not ON_GPU, block_k=64),
-            "pallas_flash_s3": partial(_pallas_flash_decode, interpret=not ON_GPU, stages=3),
+            "pallas_flash_s3": partial(
+                _pallas_flash_decode, interpret=not ON_GPU, block_k=64, stages=3
+            ),
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "pallas_paged_flash": _paged(case, partial(_pallas_paged_flash, interpret=not ON_GPU)),
@@ -156,19 +158,7 @@ def _pallas_decode(q, k, v, lengths, interpret: bool, chunk: int = 256) -> jax.A
 
 
 def _pallas_flash_decode(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
-    """The decode step through the flash kernel (``flash_decode_attention``, whose block
-    choice is 128 keys) or, with ``tuning``, the same rows with other blocks and stages."""
-    if not tuning:
-        return flash_decode_attention(q, k, v, lengths, interpret=interpret)
-    b, _, n, h = q.shape
-    kv_heads = k.shape[2]
-    group = n // kv_heads
-    rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
-    rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
-    out = flash_attention(
-        rows, k, v, jnp.full((b,), group), lengths, causal=False, interpret=interpret, **tuning
-    )
-    return out[:, :group].transpose(0, 2, 1, 3).reshape(b, 1, n, h)
+    return flash_decode_attention(q, k, v, lengths, interpret=interpret, **tuning)
 
 
 def _pallas_prefill(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:

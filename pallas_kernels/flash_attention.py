@@ -194,11 +194,14 @@ def flash_decode_attention(
     scale: float | None = None,
     *,
     block_table: jax.Array | None = None,
+    block_k: int | None = None,
+    stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
-    int32[B, W], k and v are page pools [pages, page size, K, H] read in place.
+    int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
+    (default 128 keys where they tile the rows) and ``stages`` as in ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -216,7 +219,8 @@ def flash_decode_attention(
     rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
     rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
     query_lengths = jnp.full((b,), group, jnp.int32)
-    block_k = 128 if s % 128 == 0 else 64  # 128: one program per SM, but measured faster
+    if block_k is None:  # 128: one program per SM, but measured faster than 64
+        block_k = 128 if s % 128 == 0 else 64
     out = flash_attention(
         rows,
         k,
@@ -226,6 +230,7 @@ def flash_decode_attention(
         causal=False,
         scale=scale,
         block_k=block_k,
+        stages=stages,
         block_table=block_table,
         interpret=interpret,
     )
