@@ -10,7 +10,9 @@ in bf16 on the device, saves its weights (raw bf16 bits) for this process, and t
 ``generate(num_beams=4, max_new_tokens=65, forced_bos_token_id=...)`` and greedy with CUDA
 events. This process then loads the very same bits through ``nllb.params_from_hf`` and times
 ``sj.generate_beam`` (num_beams 4, max_new 64) and ``sj.generate_batch`` (temperature 0,
-max_tokens 64) on the same 32 sources of 26-34 tokens, eng_Latn → fra_Latn.
+max_tokens 64) on the same 32 sources of 26-34 tokens, eng_Latn → fra_Latn; and greedy
+again with fixed-count device chunks (``greedy_fixed_chunks``: ``engine.CHUNKS_EXIT_EARLY``
+off), against the same HF greedy figure.
 
 Equal work on both sides: random weights may pick EOS at any step, which would end
 hypotheses early and differently on each side. The peer lowers EOS's logit by
@@ -615,23 +617,36 @@ def main() -> None:
     def greedy() -> list[list[int]]:
         return [r.output_tokens for r in sj.generate_batch(model, sources, greedy_params(plan))]
 
+    def greedy_fixed_chunks() -> list[list[int]]:
+        """Greedy with every device chunk running all its steps (no predicate read back per
+        step: ``engine.CHUNKS_EXIT_EARLY = False``), against the same HF greedy figure."""
+        from spark_jax import engine
+
+        saved, engine.CHUNKS_EXIT_EARLY = engine.CHUNKS_EXIT_EARLY, False
+        try:
+            return greedy()
+        finally:
+            engine.CHUNKS_EXIT_EARLY = saved
+
     rows = []
-    for name, fn in (("beam", beam), ("greedy", greedy)):
+    modes = (("beam", beam), ("greedy", greedy), ("greedy_fixed_chunks", greedy_fixed_chunks))
+    for name, fn in modes:
+        peer_name = name.removesuffix("_fixed_chunks")
         tokens, first_s = timed(fn)
         check_lengths(tokens, plan, f"ours {name}")
         seconds = host_seconds_median(fn, plan.repeats)
-        hf_s = peer[f"{name}_s"]
+        hf_s = peer[f"{peer_name}_s"]
         results[name] = {
             "ours_s": seconds,
             "ours_first_call_s": first_s,
             "ours_compile_s_approx": first_s - seconds,
             "ours_sentences_per_s": plan.num_sources / seconds,
             "hf_s": hf_s,
-            "hf_first_call_s": peer[f"{name}_first_s"],
+            "hf_first_call_s": peer[f"{peer_name}_first_s"],
             "hf_sentences_per_s": plan.num_sources / hf_s,
             "speedup": hf_s / seconds,
             "target": 5.0 if name == "beam" else 10.0,
-            "agreement_with_hf": agreement(tokens, peer[f"{name}_tokens"]),
+            "agreement_with_hf": agreement(tokens, peer[f"{peer_name}_tokens"]),
         }
         r = results[name]
         rows.append(

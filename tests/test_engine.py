@@ -129,6 +129,29 @@ def test_a_batch_without_a_consumer_ends_every_row_as_the_streamed_batch_does(ti
     assert batch[5].logprobs == stream[5].logprobs
 
 
+def test_fixed_count_chunks_give_the_early_exit_chunks_results(tiny_llama, monkeypatch):
+    """``CHUNKS_EXIT_EARLY = False``: every chunk runs all its steps, rows that ended idle in it
+    (stops mid-chunk, a stop on the first token, short max_tokens, a seeded sampled row)."""
+    from spark_jax import engine
+
+    _, model = tiny_llama
+    prompts = [random_prompt(60 + i, 4 + 3 * i) for i in range(5)]
+    free = [r.output_tokens for r in sj.generate_batch(model, prompts, GREEDY)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[free[0][3]]),
+        sj.SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[free[1][0]]),
+        sj.SamplingParams(temperature=0.0, max_tokens=2),
+        sj.SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=11),
+        sj.SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+    ]
+    summary = lambda rs: [(r.output_tokens, r.finish_reason, r.logprobs) for r in rs]
+    early = summary(sj.generate_batch(model, prompts, params))
+    monkeypatch.setattr(engine, "CHUNKS_EXIT_EARLY", False)
+    fixed = summary(sj.generate_batch(model, prompts, params))
+    assert fixed == early
+    assert [len(tokens) for tokens, _, _ in fixed][:3] == [free[0].index(free[0][3]) + 1, 1, 2]
+
+
 def test_streaming_callback_sees_every_token_in_order(tiny_llama):
     _, model = tiny_llama
     ids = random_prompt(15, 6)
