@@ -59,6 +59,7 @@ from benchmarks.common import (
     torch_median_seconds,
 )
 from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
+from spark_jax import attention
 from spark_jax.attention import AttentionMask, reference_attention, split_kv_attention
 from spark_jax.config import ModelConfig
 from spark_jax.engine import generate
@@ -832,7 +833,13 @@ def main() -> None:
     )
     parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer-json", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--flash-prefill",
+        action="store_true",
+        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
+    )
     args = parser.parse_args()
+    attention.FLASH_PREFILL_BY_DEFAULT = args.flash_prefill
     plan = SMALL if args.tiny else FULL
     if args.batch_sizes:
         plan = dataclasses.replace(plan, batch_sizes=_ints(args.batch_sizes))
@@ -847,6 +854,7 @@ def main() -> None:
     modes = set(args.modes.split(","))
     t0 = time.perf_counter()
     results: dict[str, Any] = {"benchmark": "decode", "tiny": args.tiny, "stages_s": {}}
+    results["flash_prefill"] = args.flash_prefill
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t0)

@@ -36,6 +36,7 @@ import numpy as np
 from benchmarks.common import emit, print_table
 from benchmarks.serving import FULL, SMALL, Plan
 from benchmarks.shapes import hf_llama_kwargs
+from spark_jax import attention
 from spark_jax.checkpoint import PARAMS_DIR, save_params
 
 TARGET_S = 60.0
@@ -100,9 +101,16 @@ def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
+    parser.add_argument(
+        "--flash-prefill",
+        action="store_true",
+        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
+    )
     args = parser.parse_args()
+    attention.FLASH_PREFILL_BY_DEFAULT = args.flash_prefill
     plan = SMALL if args.tiny else FULL
     results: dict[str, Any] = {"benchmark": "startup", "tiny": args.tiny, "target_s": TARGET_S}
+    results["flash_prefill"] = args.flash_prefill
     results["device"] = str(jax.devices()[0].device_kind)
     root = Path(tempfile.mkdtemp(prefix="spark_jax_startup_"))
     try:
