@@ -9,6 +9,7 @@ the torch peers run in their own process so JAX and torch never share the GPU's 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -78,6 +79,16 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
     touch = jax.jit(lambda a: a * 1.0001)
     seconds = median_seconds(lambda: touch(x), iters=iters)
     return 2 * nbytes / seconds
+
+
+def add_flash_prefill_flag(parser: argparse.ArgumentParser) -> None:
+    """``--flash-prefill``: our flash kernel in the default prefill dispatch of the run (see
+    ``spark_jax.attention.FLASH_PREFILL_BY_DEFAULT``); the caller sets the flag from it."""
+    parser.add_argument(
+        "--flash-prefill",
+        action="store_true",
+        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
+    )
 
 
 def read_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:

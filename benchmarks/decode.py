@@ -46,6 +46,7 @@ import numpy as np
 
 from benchmarks.common import (
     HBM_BYTES_PER_S,
+    add_flash_prefill_flag,
     chain_seconds,
     copy_bandwidth,
     emit,
@@ -833,11 +834,7 @@ def main() -> None:
     )
     parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer-json", default="", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--flash-prefill",
-        action="store_true",
-        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
-    )
+    add_flash_prefill_flag(parser)
     args = parser.parse_args()
     attention.FLASH_PREFILL_BY_DEFAULT = args.flash_prefill
     plan = SMALL if args.tiny else FULL

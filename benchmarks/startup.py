@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.common import emit, print_table
+from benchmarks.common import add_flash_prefill_flag, emit, print_table
 from benchmarks.serving import FULL, SMALL, Plan
 from benchmarks.shapes import hf_llama_kwargs
 from spark_jax import attention
@@ -101,11 +101,7 @@ def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
-    parser.add_argument(
-        "--flash-prefill",
-        action="store_true",
-        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
-    )
+    add_flash_prefill_flag(parser)
     args = parser.parse_args()
     attention.FLASH_PREFILL_BY_DEFAULT = args.flash_prefill
     plan = SMALL if args.tiny else FULL
