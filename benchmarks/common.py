@@ -145,6 +145,55 @@ def torch_median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10
     return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
 
 
+def kernel_profile(
+    fn: Callable[[], Any], calls: int = 3, top: int = 25, per: int = 1
+) -> dict[str, Any]:
+    """The GPU kernels of ``fn()`` (already compiled), from a JAX profiler trace of ``calls``
+    calls, per call (per ``per``-th of one: a loop of ``per`` steps gives figures per step):
+    summed time by kind (the name without its numbers), the ``top`` kernels by time, the
+    kernel count, the summed kernel time (busy) and the span from the first kernel's start to
+    the last one's end (span - busy = gaps between kernels, and between calls)."""
+    import glob
+    import re
+    import tempfile
+
+    jax.block_until_ready(fn())
+    folder = tempfile.mkdtemp(prefix="kernel_profile_")
+    with jax.profiler.trace(folder):
+        for _ in range(calls):
+            jax.block_until_ready(fn())
+    (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    events = []
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+    if not events:
+        return {"error": "no GPU kernel events in the trace"}
+    n = calls * per
+    by_name: dict[str, float] = {}
+    by_kind: dict[str, list[float]] = {}
+    for name, _, ns in events:
+        by_name[name] = by_name.get(name, 0.0) + ns / 1e3 / n
+        kind = re.sub(r"(_\d+)+(?=_|$)|\.\d+", "", name)[:80]
+        entry = by_kind.setdefault(kind, [0.0, 0.0])
+        entry[0] += 1 / n
+        entry[1] += ns / 1e3 / n
+    start = min(e[1] for e in events)
+    end = max(e[1] + e[2] for e in events)
+    ranked = sorted(by_kind.items(), key=lambda item: -item[1][1])
+    return {
+        "kernels": len(events) / n,
+        "busy_us": sum(e[2] for e in events) / 1e3 / n,
+        "span_us": (end - start) / 1e3 / n,
+        "by_kind_count_us": {k: [round(c, 1), round(us, 1)] for k, (c, us) in ranked},
+        "top_kernels_us": {
+            k[:100]: round(us, 2) for k, us in sorted(by_name.items(), key=lambda i: -i[1])[:top]
+        },
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Output.
 

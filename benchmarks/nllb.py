@@ -52,7 +52,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import chain_seconds, emit, print_table, timed, torch_median_seconds
+from benchmarks.common import (
+    chain_seconds,
+    emit,
+    kernel_profile,
+    print_table,
+    timed,
+    torch_median_seconds,
+)
 
 EOS, PAD, DECODER_START = 2, 1, 2
 EOS_MARGIN = 40.0  # logits of random bf16 weights spread ~0.6: EOS is never picked
@@ -532,6 +539,18 @@ def _loop_ms_per_step(run: Callable[[int], Any], steps: int) -> float:
     return (two - one) / steps * 1e3
 
 
+def _xla_attention_ms(run: Callable[..., Any], steps: int) -> float:
+    """The step of ``run`` with every attention through the jnp reference instead of cuDNN."""
+    from spark_jax.attention import forced_implementation
+
+    jax.clear_caches()  # the dispatch acts at trace time: trace the step again
+    try:
+        with forced_implementation("xla"):
+            return _loop_ms_per_step(lambda k: run(steps=k), steps)
+    finally:
+        jax.clear_caches()
+
+
 def device_profile(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str, Any]:
     """Per-step device time with no dispatch (fori_loop), dispatch cost, kernels per step."""
     from spark_jax.models import nllb
@@ -558,6 +577,9 @@ def device_profile(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str
             out["decode_kernels_per_step"] = _entry_kernels(text)
             out["decode_kernel_kinds"] = _kernel_kinds(text)
             out["decode_argument_arrays"] = len(jax.tree_util.tree_leaves((model.params, state)))
+            # Where the step's time goes, kernel by kind, and the gaps between kernels.
+            out["greedy_len256_kernels"] = kernel_profile(lambda r=run: r(steps=steps), per=steps)
+            out["greedy_len256_xla_attention_ms_per_step"] = _xla_attention_ms(run, steps)
             calls = []
             for _ in range(8):
                 start = time.perf_counter()
@@ -696,6 +718,13 @@ def main() -> None:
         f" {d['greedy_len256_device_ms_per_step']:.3f}) + host {g['host_ms']:.1f} ms"
         f" ({g['host_ms_per_step']:.3f} ms/token)"
     )
+    kernels = d.get("greedy_len256_kernels", {})
+    if "by_kind_count_us" in kernels:
+        kinds = list(kernels["by_kind_count_us"].items())[:10]
+        print(
+            f"greedy step kernels: {kernels['kernels']:.0f}, busy {kernels['busy_us']:.0f} us,"
+            f" span {kernels['span_us']:.0f} us; by kind [count, us]: {kinds}"
+        )
     print(f"device profile: {results['breakdown']['device']}")
 
 

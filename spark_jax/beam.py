@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.models.common import bucket
 
 _PENALTY = np.float32(-1.0e9)  # HF's "never pick this" offset, in the same float32 arithmetic
@@ -392,7 +393,12 @@ def _start(
     return _step(dataclasses.replace(carry, search=search), values, ids, eos, fresh, cross=True)
 
 
-@partial(jax.jit, static_argnames=("decode_fn", "num_steps"), donate_argnames=("carry",))
+@partial(
+    jax.jit,
+    static_argnames=("decode_fn", "num_steps"),
+    donate_argnames=("carry",),
+    compiler_options=DEVICE_LOOP_OPTIONS,
+)
 def _search_chunk(
     decode_fn: Any,
     params: Any,

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.models.common import bucket
 from spark_jax.sampling import (
     MAX_LOGPROBS,
@@ -519,6 +520,7 @@ class _Chunk:
     jax.jit,
     static_argnames=("decode_fn", "num_steps", "greedy", "want_logprobs", "exit_early"),
     donate_argnames=("carry",),
+    compiler_options=DEVICE_LOOP_OPTIONS,
 )
 def _decode_chunk(
     decode_fn,
