@@ -1,0 +1,215 @@
+"""NLLB-200-distilled-600M's decoder step on the GPU: variants of the step against the HBM read
+floor, and where the engine's greedy call spends its time (kernels, gaps).
+
+The step is 32 rows (greedy over 32 sources) at cache length ~40 over ~34 source tokens, random
+bf16 weights; each variant runs in a fixed-count device loop (``benchmarks.nllb._decode_loop``,
+argmax picks), timed as (T(2k) - T(k)) / k, and profiled kernel by kernel
+(``benchmarks.common.kernel_profile``). The floor is the bytes one step must read (decoder
+weights, the tied LM head, the self and cross K/V in use) at the read bandwidth measured in
+the same run. Variants: the default dispatch; attention through our Pallas kernels or XLA's
+reference instead of cuDNN; XLA command buffers on the loop; cuBLAS instead of Triton GEMMs.
+The engine's call (``sj.generate_batch``, 64 new tokens) is profiled whole: the kernels'
+summed time against its span and its wall time shows what the host adds.
+
+    PYTHONPATH=. python3 benchmarks/nllb_step.py [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import emit, kernel_profile, out_dir, print_table, read_bandwidth, timed
+from benchmarks.nllb import (
+    EOS,
+    EOS_MARGIN,
+    FULL,
+    TGT_LANG,
+    TINY,
+    Plan,
+    _decode_loop,
+    _loop_ms_per_step,
+    greedy_params,
+    hf_config_dict,
+    language_ids,
+    make_sources,
+)
+
+
+def build(plan: Plan) -> Any:
+    """A spark_jax Model of the plan's shapes with random bf16 weights that never pick EOS."""
+    import spark_jax as sj
+    from spark_jax.config import config_from_hf
+    from spark_jax.models import nllb
+
+    config = config_from_hf({"model_type": "m2m_100", **hf_config_dict(plan)})
+    params = nllb.init_params(config, jax.random.key(0), jnp.bfloat16)
+    eos_row = params["shared"]["embedding"][EOS].astype(jnp.float32)
+    bias = params["decoder_norm"]["bias"].astype(jnp.float32)
+    bias = bias - EOS_MARGIN * eos_row / jnp.sum(eos_row**2)
+    params["decoder_norm"]["bias"] = bias.astype(jnp.bfloat16)
+    runner = nllb.NllbRunner(config, params, language_ids(plan.vocab_size), TGT_LANG)
+    return sj.Model(config, params, tokenizer=None, runner=runner)
+
+
+def step_bytes(model: Any, rows: int, length: int, source_len: int) -> int:
+    """What one decode step must read: decoder weights, the LM head, the K/V in use."""
+    params = model.params
+    decoder = [v for k, v in params.items() if k.startswith("decoder")]
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(decoder))
+    weights += params["shared"]["embedding"].nbytes
+    c = model.config
+    kv_row = 2 * c.decoder_layers * c.d_model * 2  # k and v, every layer, bf16
+    return weights + rows * kv_row * (length + source_len)
+
+
+def _variant_loop(compiler_options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``_decode_loop`` compiled with ``compiler_options`` (a jit of its own)."""
+    if not compiler_options:
+        return _decode_loop
+    return jax.jit(
+        _decode_loop.__wrapped__,
+        static_argnames=("config", "steps", "width"),
+        compiler_options=compiler_options,
+    )
+
+
+def time_variant(
+    model: Any,
+    state_fn: Callable[[], Any],
+    rows: int,
+    steps: int,
+    attention: str | None,
+    compiler_options: dict[str, Any] | None,
+    hlo_name: str = "",
+) -> dict[str, Any]:
+    """ms per step of the fixed-count loop and its kernel profile under one variant."""
+    from spark_jax.attention import forced_implementation
+
+    loop = _variant_loop(compiler_options)
+    tokens = jnp.full((rows,), 5, jnp.int32)
+    active = jnp.ones((rows,), bool)
+    jax.clear_caches()  # the attention dispatch acts at trace time
+    try:
+        with forced_implementation(attention):
+            run = partial(loop, model.params, model.config, tokens, active, width=0)
+            ms = _loop_ms_per_step(lambda k: run(state_fn(), steps=k), steps)
+            profile = kernel_profile(lambda: run(state_fn(), steps=steps), calls=2, per=steps)
+            if hlo_name and out_dir() is not None:
+                text = loop.lower(
+                    model.params, model.config, tokens, active, state_fn(), steps=steps, width=0
+                )
+                path = out_dir() / f"{hlo_name}.txt.gz"
+                path.write_bytes(gzip.compress(text.compile().as_text().encode()))
+    except Exception as error:  # a variant that does not apply here is reported, not fatal
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    finally:
+        jax.clear_caches()
+    kinds = profile.get("by_kind_count_us", {})
+    return {
+        "ms_per_step": ms,
+        "kernels": profile.get("kernels"),
+        "busy_us": profile.get("busy_us"),
+        "span_us": profile.get("span_us"),
+        "top_kinds": dict(list(kinds.items())[:8]),
+    }
+
+
+def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
+    """The engine's greedy call: wall time, and its kernels' busy time against their span."""
+    import spark_jax as sj
+    from spark_jax import engine
+
+    sources = make_sources(plan)
+    params = greedy_params(plan)
+    saved, engine.CHUNKS_EXIT_EARLY = engine.CHUNKS_EXIT_EARLY, not fixed_chunks
+    try:
+
+        def call() -> list[Any]:
+            return sj.generate_batch(model, sources, params)
+
+        call()
+        walls = [timed(call)[1] for _ in range(plan.repeats)]
+        profile = kernel_profile(call, calls=2)
+    finally:
+        engine.CHUNKS_EXIT_EARLY = saved
+    return {
+        "wall_s": float(np.median(walls)),
+        "kernels": profile.get("kernels"),
+        "busy_ms": (profile.get("busy_us") or 0) / 1e3,
+        "span_ms": (profile.get("span_us") or 0) / 1e3,
+        "top_kinds": dict(list(profile.get("by_kind_count_us", {}).items())[:8]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
+    args = parser.parse_args()
+    plan = TINY if args.tiny else FULL
+    from spark_jax.compile_options import device_loop_options
+
+    t0 = time.perf_counter()
+    model = build(plan)
+    rows, length, source_len = plan.num_sources, 40, max(plan.source_lengths)
+    steps = 16
+
+    def state_fn() -> Any:
+        state = model.runner.init_state(rows, 128, source_len)
+        full = jnp.full((rows,), length, jnp.int32)
+        return dataclasses.replace(state, lengths=full, source_lengths=full * 0 + source_len)
+
+    read_bps = read_bandwidth(1 << 30 if args.tiny else 4 << 30)
+    nbytes = step_bytes(model, rows, length, source_len)
+    floor_ms = nbytes / read_bps * 1e3
+    buffers = device_loop_options()
+    no_triton = {"xla_gpu_enable_triton_gemm": False}
+    variants = {
+        "default": (None, None),
+        "pallas_attention": ("pallas", None),
+        "xla_attention": ("xla", None),
+        "command_buffers": (None, buffers),
+        "cublas": (None, no_triton),
+        "cublas_command_buffers": (None, {**buffers, **no_triton}),
+    }
+    results: dict[str, Any] = {"benchmark": "nllb_step", "tiny": args.tiny}
+    results["device"] = str(jax.devices()[0].device_kind)
+    results["jax"] = jax.__version__
+    results["read_tb_s"] = read_bps / 1e12
+    results["step_bytes"] = nbytes
+    results["floor_ms"] = floor_ms
+    rows_out = []
+    for name, (attention, options) in variants.items():
+        hlo = "nllb_step_hlo" if name == "default" else ""
+        r = time_variant(model, state_fn, rows, steps, attention, options, hlo)
+        results[name] = r
+        if "error" in r:
+            rows_out.append([name, None, None, None, None, r["error"][:60]])
+            continue
+        frac = floor_ms / r["ms_per_step"] if r["ms_per_step"] > 0 else None
+        rows_out.append([name, r["ms_per_step"], frac, r["kernels"], r["busy_us"], r["span_us"]])
+    for name, fixed in (("engine_greedy", False), ("engine_greedy_fixed_chunks", True)):
+        results[name] = engine_call(model, plan, fixed)
+    results["wall_s"] = time.perf_counter() - t0
+    emit(results, "nllb_step")
+    print_table(["variant", "ms/step", "floor/ms", "kernels", "busy_us", "span_us"], rows_out)
+    for name in ("engine_greedy", "engine_greedy_fixed_chunks"):
+        r = results[name]
+        print(
+            f"{name}: wall {r['wall_s'] * 1e3:.1f} ms, kernels busy {r['busy_ms']:.1f} ms over a"
+            f" {r['span_ms']:.1f} ms span ({r['kernels']} kernels); {r['top_kinds']}"
+        )
+    print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()
