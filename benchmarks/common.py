@@ -146,13 +146,15 @@ def torch_median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10
 
 
 def kernel_profile(
-    fn: Callable[[], Any], calls: int = 3, top: int = 25, per: int = 1
+    fn: Callable[[], Any], calls: int = 3, top: int = 25, per: int = 1, gaps: int = 0
 ) -> dict[str, Any]:
     """The GPU kernels of ``fn()`` (already compiled), from a JAX profiler trace of ``calls``
     calls, per call (per ``per``-th of one: a loop of ``per`` steps gives figures per step):
     summed time by kind (the name without its numbers), the ``top`` kernels by time, the
     kernel count, the summed kernel time (busy) and the span from the first kernel's start to
-    the last one's end (span - busy = gaps between kernels, and between calls)."""
+    the last one's end (span - busy = gaps between kernels, and between calls). ``gaps`` > 0
+    adds where the GPU idles: the idle time in gaps of >= 20 us per call, and the ``gaps``
+    longest, each with the kernels either side and its offset from the first kernel."""
     import glob
     import re
     import tempfile
@@ -183,7 +185,21 @@ def kernel_profile(
     start = min(e[1] for e in events)
     end = max(e[1] + e[2] for e in events)
     ranked = sorted(by_kind.items(), key=lambda item: -item[1][1])
-    return {
+    summary: dict[str, Any] = {}
+    if gaps:
+        idle, last_end, last_name = [], start, ""
+        for name, begin, ns in sorted(events, key=lambda e: e[1]):
+            if begin - last_end >= 20_000:
+                idle.append(((begin - last_end) / 1e3, last_name[:50], name[:50], last_end))
+            if begin + ns > last_end:
+                last_end, last_name = begin + ns, name
+        summary["idle_us_in_gaps"] = sum(g[0] for g in idle) / calls
+        summary["idle_gaps"] = len(idle) / calls
+        summary["longest_gaps"] = [
+            [round(us, 1), after, before, round((at - start) / 1e6, 2)]
+            for us, after, before, at in sorted(idle, key=lambda g: -g[0])[:gaps]
+        ]
+    return summary | {
         "kernels": len(events) / n,
         "busy_us": sum(e[2] for e in events) / 1e3 / n,
         "span_us": (end - start) / 1e3 / n,

@@ -7,7 +7,8 @@ argmax picks), timed as (T(2k) - T(k)) / k, and profiled kernel by kernel
 (``benchmarks.common.kernel_profile``). The floor is the bytes one step must read (decoder
 weights, the tied LM head, the self and cross K/V in use) at the read bandwidth measured in
 the same run. Variants: the default dispatch; attention through our Pallas kernels or XLA's
-reference instead of cuDNN; XLA command buffers on the loop; cuBLAS instead of Triton GEMMs.
+reference instead of cuDNN; XLA command buffers on the loop; cuBLAS instead of Triton GEMMs;
+XLA options that change fusion or GEMM choice.
 The engine's call (``sj.generate_batch``, 64 new tokens) is profiled whole: the kernels'
 summed time against its span and its wall time shows what the host adds.
 
@@ -139,7 +140,7 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
 
         call()
         walls = [timed(call)[1] for _ in range(plan.repeats)]
-        profile = kernel_profile(call, calls=2)
+        profile = kernel_profile(call, calls=1, gaps=15)
     finally:
         engine.CHUNKS_EXIT_EARLY = saved
     return {
@@ -147,6 +148,9 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
         "kernels": profile.get("kernels"),
         "busy_ms": (profile.get("busy_us") or 0) / 1e3,
         "span_ms": (profile.get("span_us") or 0) / 1e3,
+        "idle_ms_in_gaps": (profile.get("idle_us_in_gaps") or 0) / 1e3,
+        "idle_gaps": profile.get("idle_gaps"),
+        "longest_gaps_us_after_before_at_ms": profile.get("longest_gaps"),
         "top_kinds": dict(list(profile.get("by_kind_count_us", {}).items())[:8]),
     }
 
@@ -154,6 +158,7 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
+    parser.add_argument("--variants", default="all", help="comma-separated step variants, or none")
     args = parser.parse_args()
     plan = TINY if args.tiny else FULL
     from spark_jax.compile_options import device_loop_options
@@ -180,7 +185,18 @@ def main() -> None:
         "command_buffers": (None, buffers),
         "cublas": (None, no_triton),
         "cublas_command_buffers": (None, {**buffers, **no_triton}),
+        # XLA options that may cut kernels: Triton for every fusion it can take (LayerNorms as
+        # one kernel?), cuDNN GEMMs with fused epilogues, a wider search of GEMM tilings.
+        "block_level_fusion": (
+            None,
+            {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+        ),
+        "cudnn_gemm_fusion": (None, {"xla_gpu_cudnn_gemm_fusion_level": 2}),
+        "exhaustive_tiling": (None, {"xla_gpu_exhaustive_tiling_search": True}),
     }
+    if args.variants != "all":
+        chosen = [v for v in args.variants.split(",") if v and v != "none"]
+        variants = {name: variants[name] for name in chosen}
     results: dict[str, Any] = {"benchmark": "nllb_step", "tiny": args.tiny}
     results["device"] = str(jax.devices()[0].device_kind)
     results["jax"] = jax.__version__
@@ -206,7 +222,9 @@ def main() -> None:
         r = results[name]
         print(
             f"{name}: wall {r['wall_s'] * 1e3:.1f} ms, kernels busy {r['busy_ms']:.1f} ms over a"
-            f" {r['span_ms']:.1f} ms span ({r['kernels']} kernels); {r['top_kinds']}"
+            f" {r['span_ms']:.1f} ms span ({r['kernels']} kernels), idle {r['idle_ms_in_gaps']:.1f}"
+            f" ms in {r['idle_gaps']} gaps >= 20 us; longest [us, after, before, at ms]:"
+            f" {r['longest_gaps_us_after_before_at_ms']}"
         )
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")
 
