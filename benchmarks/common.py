@@ -238,7 +238,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         return "-" if value is None else str(value)
 
     cells = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))

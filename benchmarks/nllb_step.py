@@ -92,8 +92,10 @@ def time_variant(
     attention: str | None,
     compiler_options: dict[str, Any] | None,
     hlo_name: str = "",
+    width: int = 0,
 ) -> dict[str, Any]:
-    """ms per step of the fixed-count loop and its kernel profile under one variant."""
+    """ms per step of the fixed-count loop and its kernel profile under one variant
+    (``width`` > 0: beam search's pick, a top-``width`` of the log-softmax, instead of argmax)."""
     from spark_jax.attention import forced_implementation
 
     loop = _variant_loop(compiler_options)
@@ -102,13 +104,12 @@ def time_variant(
     jax.clear_caches()  # the attention dispatch acts at trace time
     try:
         with forced_implementation(attention):
-            run = partial(loop, model.params, model.config, tokens, active, width=0)
+            run = partial(loop, model.params, model.config, tokens, active, width=width)
             ms = _loop_ms_per_step(lambda k: run(state_fn(), steps=k), steps)
             profile = kernel_profile(lambda: run(state_fn(), steps=steps), calls=2, per=steps)
             if hlo_name and out_dir() is not None:
-                text = loop.lower(
-                    model.params, model.config, tokens, active, state_fn(), steps=steps, width=0
-                )
+                args = (model.params, model.config, tokens, active, state_fn())
+                text = loop.lower(*args, steps=steps, width=width)
                 path = out_dir() / f"{hlo_name}.txt.gz"
                 path.write_bytes(gzip.compress(text.compile().as_text().encode()))
     except Exception as error:  # a variant that does not apply here is reported, not fatal
@@ -155,10 +156,50 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
     }
 
 
+def host_profile(model: Any, plan: Plan, calls: int = 3) -> dict[str, Any]:
+    """The host's share of the engine's greedy call (cProfile): seconds per call spent waiting
+    for the device (reading arrays back) and in the rest, and the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import spark_jax as sj
+
+    sources, params = make_sources(plan), greedy_params(plan)
+    sj.generate_batch(model, sources, params)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        sj.generate_batch(model, sources, params)
+    profiler.disable()
+    wall = (time.perf_counter() - start) / calls
+    stats = pstats.Stats(profiler)
+    waiting = sum(
+        tottime
+        for (path, _, func), (_, _, tottime, _, _) in stats.stats.items()
+        if func in ("_value", "block_until_ready") and "jax" in path
+    )
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    if out_dir() is not None:
+        (out_dir() / "host_profile.txt").write_text(text.getvalue())
+    total = stats.total_tt / calls
+    return {
+        "wall_ms": wall * 1e3,
+        "profiled_ms": total * 1e3,
+        "waiting_ms": waiting / calls * 1e3,
+        "host_ms": total * 1e3 - waiting / calls * 1e3,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
     parser.add_argument("--variants", default="all", help="comma-separated step variants, or none")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="cProfile the engine's greedy call"
+    )
     args = parser.parse_args()
     plan = TINY if args.tiny else FULL
     from spark_jax.compile_options import device_loop_options
@@ -168,7 +209,7 @@ def main() -> None:
     rows, length, source_len = plan.num_sources, 40, max(plan.source_lengths)
     steps = 16
 
-    def state_fn() -> Any:
+    def state_fn(rows: int = rows) -> Any:
         state = model.runner.init_state(rows, 128, source_len)
         full = jnp.full((rows,), length, jnp.int32)
         return dataclasses.replace(state, lengths=full, source_lengths=full * 0 + source_len)
@@ -180,6 +221,7 @@ def main() -> None:
     no_triton = {"xla_gpu_enable_triton_gemm": False}
     variants = {
         "default": (None, None),
+        "beam": (None, None),
         "pallas_attention": ("pallas", None),
         "xla_attention": ("xla", None),
         "command_buffers": (None, buffers),
@@ -204,17 +246,28 @@ def main() -> None:
     results["step_bytes"] = nbytes
     results["floor_ms"] = floor_ms
     rows_out = []
+    beam_rows = rows * plan.num_beams
+    beam_state = partial(state_fn, beam_rows)
     for name, (attention, options) in variants.items():
         hlo = "nllb_step_hlo" if name == "default" else ""
-        r = time_variant(model, state_fn, rows, steps, attention, options, hlo)
+        if name == "beam":  # the beam step: rows x beams, top-(2 x beams) of the log-softmax
+            width = 2 * plan.num_beams
+            r = time_variant(model, beam_state, beam_rows, steps, None, None, "", width)
+        else:
+            r = time_variant(model, state_fn, rows, steps, attention, options, hlo)
         results[name] = r
         if "error" in r:
             rows_out.append([name, None, None, None, None, r["error"][:60]])
             continue
-        frac = floor_ms / r["ms_per_step"] if r["ms_per_step"] > 0 else None
+        floor = floor_ms
+        if name == "beam":
+            floor = r["floor_ms"] = step_bytes(model, beam_rows, length, source_len) / read_bps * 1e3
+        frac = floor / r["ms_per_step"] if r["ms_per_step"] > 0 else None
         rows_out.append([name, r["ms_per_step"], frac, r["kernels"], r["busy_us"], r["span_us"]])
     for name, fixed in (("engine_greedy", False), ("engine_greedy_fixed_chunks", True)):
         results[name] = engine_call(model, plan, fixed)
+    if args.host_profile:
+        results["host_profile"] = host_profile(model, plan)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_step")
     print_table(["variant", "ms/step", "floor/ms", "kernels", "busy_us", "span_us"], rows_out)
@@ -226,6 +279,8 @@ def main() -> None:
             f" ms in {r['idle_gaps']} gaps >= 20 us; longest [us, after, before, at ms]:"
             f" {r['longest_gaps_us_after_before_at_ms']}"
         )
+    if "host_profile" in results:
+        print(f"host profile of the greedy call: {results['host_profile']}")
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")
 
 
