@@ -261,7 +261,8 @@ def main() -> None:
             continue
         floor = floor_ms
         if name == "beam":
-            floor = r["floor_ms"] = step_bytes(model, beam_rows, length, source_len) / read_bps * 1e3
+            beam_bytes = step_bytes(model, beam_rows, length, source_len)
+            floor = r["floor_ms"] = beam_bytes / read_bps * 1e3
         frac = floor / r["ms_per_step"] if r["ms_per_step"] > 0 else None
         rows_out.append([name, r["ms_per_step"], frac, r["kernels"], r["busy_us"], r["span_us"]])
     for name, fixed in (("engine_greedy", False), ("engine_greedy_fixed_chunks", True)):
