@@ -29,7 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import emit, kernel_profile, out_dir, print_table, read_bandwidth, timed
+from benchmarks.common import (
+    emit,
+    kernel_profile,
+    median_seconds,
+    out_dir,
+    print_table,
+    read_bandwidth,
+    timed,
+)
 from benchmarks.nllb import (
     EOS,
     EOS_MARGIN,
@@ -39,6 +47,7 @@ from benchmarks.nllb import (
     Plan,
     _decode_loop,
     _loop_ms_per_step,
+    beam_requests,
     greedy_params,
     hf_config_dict,
     language_ids,
@@ -126,14 +135,17 @@ def time_variant(
     }
 
 
-def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
+def engine_call(
+    model: Any, plan: Plan, fixed_chunks: bool, steps_per_sync: int = 8
+) -> dict[str, Any]:
     """The engine's greedy call: wall time, and its kernels' busy time against their span."""
     import spark_jax as sj
     from spark_jax import engine
 
     sources = make_sources(plan)
     params = greedy_params(plan)
-    saved, engine.CHUNKS_EXIT_EARLY = engine.CHUNKS_EXIT_EARLY, not fixed_chunks
+    saved = engine.CHUNKS_EXIT_EARLY, engine.STEPS_PER_SYNC
+    engine.CHUNKS_EXIT_EARLY, engine.STEPS_PER_SYNC = not fixed_chunks, steps_per_sync
     try:
 
         def call() -> list[Any]:
@@ -143,7 +155,7 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
         walls = [timed(call)[1] for _ in range(plan.repeats)]
         profile = kernel_profile(call, calls=1, gaps=15)
     finally:
-        engine.CHUNKS_EXIT_EARLY = saved
+        engine.CHUNKS_EXIT_EARLY, engine.STEPS_PER_SYNC = saved
     return {
         "wall_s": float(np.median(walls)),
         "kernels": profile.get("kernels"),
@@ -154,6 +166,40 @@ def engine_call(model: Any, plan: Plan, fixed_chunks: bool) -> dict[str, Any]:
         "longest_gaps_us_after_before_at_ms": profile.get("longest_gaps"),
         "top_kinds": dict(list(profile.get("by_kind_count_us", {}).items())[:8]),
     }
+
+
+def beam_call(model: Any, plan: Plan, attention: str | None) -> dict[str, Any]:
+    """The engine's beam-search call (``sj.generate_beam``): median wall seconds, with the
+    attention dispatch's choice or one implementation forced."""
+    import spark_jax as sj
+    from spark_jax.attention import forced_implementation
+
+    requests = beam_requests(plan, make_sources(plan))
+    jax.clear_caches()
+    try:
+        with forced_implementation(attention):
+            first = [r.sequences[0] for r in sj.generate_beam(model, requests)]
+            walls = [timed(lambda: sj.generate_beam(model, requests))[1] for _ in range(5)]
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    finally:
+        jax.clear_caches()
+    return {"wall_s": float(np.median(walls)), "sequences_head": [s[:4] for s in first[:2]]}
+
+
+def top_k_timing(rows: int, vocab: int, k: int) -> dict[str, Any]:
+    """Beam search's per-step top-k over [rows, vocab] fp32 logits: XLA's top-k against
+    ``beam.split_top_k`` (the rows cut into pieces), same outputs checked."""
+    from spark_jax.beam import split_top_k
+
+    x = jax.random.normal(jax.random.key(1), (rows, vocab), jnp.float32)
+    plain = jax.jit(lambda a: jax.lax.top_k(a, k))
+    split = jax.jit(lambda a: split_top_k(a, k))
+    a, b = plain(x), split(x)
+    same = bool(jnp.all(a[0] == b[0]) & jnp.all(a[1] == b[1]))
+    plain_ms = median_seconds(lambda: plain(x), iters=20) * 1e3
+    split_ms = median_seconds(lambda: split(x), iters=20) * 1e3
+    return {"xla_top_k_ms": plain_ms, "split_top_k_ms": split_ms, "equal": same}
 
 
 def host_profile(model: Any, plan: Plan, calls: int = 3) -> dict[str, Any]:
@@ -222,6 +268,7 @@ def main() -> None:
     variants = {
         "default": (None, None),
         "beam": (None, None),
+        "beam_pallas_attention": ("pallas", None),
         "pallas_attention": ("pallas", None),
         "xla_attention": ("xla", None),
         "command_buffers": (None, buffers),
@@ -250,9 +297,9 @@ def main() -> None:
     beam_state = partial(state_fn, beam_rows)
     for name, (attention, options) in variants.items():
         hlo = "nllb_step_hlo" if name == "default" else ""
-        if name == "beam":  # the beam step: rows x beams, top-(2 x beams) of the log-softmax
+        if name.startswith("beam"):  # rows x beams, top-(2 x beams) of the log-softmax
             width = 2 * plan.num_beams
-            r = time_variant(model, beam_state, beam_rows, steps, None, None, "", width)
+            r = time_variant(model, beam_state, beam_rows, steps, attention, None, "", width)
         else:
             r = time_variant(model, state_fn, rows, steps, attention, options, hlo)
         results[name] = r
@@ -260,19 +307,27 @@ def main() -> None:
             rows_out.append([name, None, None, None, None, r["error"][:60]])
             continue
         floor = floor_ms
-        if name == "beam":
+        if name.startswith("beam"):
             beam_bytes = step_bytes(model, beam_rows, length, source_len)
             floor = r["floor_ms"] = beam_bytes / read_bps * 1e3
         frac = floor / r["ms_per_step"] if r["ms_per_step"] > 0 else None
         rows_out.append([name, r["ms_per_step"], frac, r["kernels"], r["busy_us"], r["span_us"]])
-    for name, fixed in (("engine_greedy", False), ("engine_greedy_fixed_chunks", True)):
-        results[name] = engine_call(model, plan, fixed)
+    engine_modes = {
+        "engine_greedy": (False, 8),
+        "engine_greedy_fixed_chunks": (True, 8),
+        "engine_greedy_sync16": (False, 16),
+        "engine_greedy_sync32": (False, 32),
+    }
+    for name, (fixed, per_sync) in engine_modes.items():
+        results[name] = engine_call(model, plan, fixed, per_sync)
     if args.host_profile:
         results["host_profile"] = host_profile(model, plan)
+    results["engine_beam"] = beam_call(model, plan, None)
+    results["top_k"] = top_k_timing(plan.num_sources * plan.num_beams, plan.vocab_size, 8)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_step")
     print_table(["variant", "ms/step", "floor/ms", "kernels", "busy_us", "span_us"], rows_out)
-    for name in ("engine_greedy", "engine_greedy_fixed_chunks"):
+    for name in engine_modes:
         r = results[name]
         print(
             f"{name}: wall {r['wall_s'] * 1e3:.1f} ms, kernels busy {r['busy_ms']:.1f} ms over a"
@@ -280,6 +335,8 @@ def main() -> None:
             f" ms in {r['idle_gaps']} gaps >= 20 us; longest [us, after, before, at ms]:"
             f" {r['longest_gaps_us_after_before_at_ms']}"
         )
+    print(f"beam call: {results['engine_beam']}")
+    print(f"beam top-k over [rows x beams, vocab]: {results['top_k']}")
     if "host_profile" in results:
         print(f"host profile of the greedy call: {results['host_profile']}")
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")

@@ -333,16 +333,20 @@ def _start(model, runner, prompts, plist, adapters) -> tuple[_Batch, _Carry, _Ch
     if not greedy:
         for i, p in enumerate(prompts):
             prompt_mask[i, p] = True
+    max_tokens = np.array([p.max_tokens for p in plist], np.int32)
+    # One batched transfer (each jnp.asarray / jnp.zeros is a dispatch of its own).
+    prompt_mask, max_tokens, counts = jax.device_put(
+        (prompt_mask, max_tokens, np.zeros((n, width), np.int32))
+    )
     batch = _Batch(
         rows=rows,
         lora=runner.lora_input(adapters) if lora_kw else None,
         sampler=SamplerBatch.from_params(plist, vocab, model.eos_token_ids),
-        prompt_mask=jnp.asarray(prompt_mask),
-        max_tokens=jnp.asarray([p.max_tokens for p in plist], jnp.int32),
+        prompt_mask=prompt_mask,
+        max_tokens=max_tokens,
         greedy=greedy,
         want_logprobs=any(p.logprobs is not None for p in plist),
     )
-    counts = jnp.zeros((n, width), jnp.int32)
     chunk, fields = _pick(
         logits, batch.sampler, counts, batch.prompt_mask, batch.max_tokens, greedy=greedy
     )

@@ -263,25 +263,28 @@ class SamplerBatch:
             bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
             stop_ids[i, : len(stops)] = stops
 
-        def column(name: str, dtype: type) -> jax.Array:
-            return jnp.asarray(np.array([getattr(p, name) for p in rows], dtype=dtype))
+        def column(name: str, dtype: type) -> np.ndarray:
+            return np.array([getattr(p, name) for p in rows], dtype=dtype)
 
         top_k = np.array([0 if p.top_k == -1 or p.top_k >= vocab_size else p.top_k for p in rows])
-        return cls(
+        host = cls(
             temperature=column("temperature", np.float32),
-            top_k=jnp.asarray(top_k.astype(np.int32)),
+            top_k=top_k.astype(np.int32),
             top_p=column("top_p", np.float32),
             min_p=column("min_p", np.float32),
             repetition_penalty=column("repetition_penalty", np.float32),
             presence_penalty=column("presence_penalty", np.float32),
             frequency_penalty=column("frequency_penalty", np.float32),
             min_tokens=column("min_tokens", np.int32),
-            num_logprobs=jnp.asarray(np.array([p.logprobs or 0 for p in rows], np.int32)),
-            keys=jnp.asarray(keys),
-            bias_ids=jnp.asarray(bias_ids),
-            bias_values=jnp.asarray(bias_values),
-            stop_ids=jnp.asarray(stop_ids),
+            num_logprobs=np.array([p.logprobs or 0 for p in rows], np.int32),
+            keys=keys,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            stop_ids=stop_ids,
         )
+        # One batched transfer: a jnp.asarray per field is a dispatch each (~0.25 ms apiece on
+        # the H200's host, 13 of them on every call before the first decode step).
+        return jax.device_put(host)
 
 
 # ----------------------------------------------------------------------------- processors

@@ -720,16 +720,9 @@ class NllbRunner:
             src_len[row] = len(prompt)
             seed[row, 1] = target
             slot_ids[row] = slot
-        return (
-            self.params,
-            c,
-            jnp.asarray(src),
-            jnp.asarray(src_len),
-            jnp.asarray(seed),
-            jnp.asarray(slot_ids),
-            state,
-            self._lora(adapters, rows),
-        )
+        # Host arrays: the jitted call moves them in one batched transfer (a jnp.asarray
+        # apiece would be a dispatch each).
+        return (self.params, c, src, src_len, seed, slot_ids, state, self._lora(adapters, rows))
 
     def prefill_chunk(self, *args: Any, **kwargs: Any) -> None:
         """Chunked prefill does not apply to an encoder-decoder: refused."""
