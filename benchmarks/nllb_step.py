@@ -32,7 +32,6 @@ import numpy as np
 from benchmarks.common import (
     emit,
     kernel_profile,
-    median_seconds,
     out_dir,
     print_table,
     read_bandwidth,
@@ -187,21 +186,6 @@ def beam_call(model: Any, plan: Plan, attention: str | None) -> dict[str, Any]:
     return {"wall_s": float(np.median(walls)), "sequences_head": [s[:4] for s in first[:2]]}
 
 
-def top_k_timing(rows: int, vocab: int, k: int) -> dict[str, Any]:
-    """Beam search's per-step top-k over [rows, vocab] fp32 logits: XLA's top-k against
-    ``beam.split_top_k`` (the rows cut into pieces), same outputs checked."""
-    from spark_jax.beam import split_top_k
-
-    x = jax.random.normal(jax.random.key(1), (rows, vocab), jnp.float32)
-    plain = jax.jit(lambda a: jax.lax.top_k(a, k))
-    split = jax.jit(lambda a: split_top_k(a, k))
-    a, b = plain(x), split(x)
-    same = bool(jnp.all(a[0] == b[0]) & jnp.all(a[1] == b[1]))
-    plain_ms = median_seconds(lambda: plain(x), iters=20) * 1e3
-    split_ms = median_seconds(lambda: split(x), iters=20) * 1e3
-    return {"xla_top_k_ms": plain_ms, "split_top_k_ms": split_ms, "equal": same}
-
-
 def host_profile(model: Any, plan: Plan, calls: int = 3) -> dict[str, Any]:
     """The host's share of the engine's greedy call (cProfile): seconds per call spent waiting
     for the device (reading arrays back) and in the rest, and the top functions by own time."""
@@ -323,7 +307,6 @@ def main() -> None:
     if args.host_profile:
         results["host_profile"] = host_profile(model, plan)
     results["engine_beam"] = beam_call(model, plan, None)
-    results["top_k"] = top_k_timing(plan.num_sources * plan.num_beams, plan.vocab_size, 8)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_step")
     print_table(["variant", "ms/step", "floor/ms", "kernels", "busy_us", "span_us"], rows_out)
@@ -336,7 +319,6 @@ def main() -> None:
             f" {r['longest_gaps_us_after_before_at_ms']}"
         )
     print(f"beam call: {results['engine_beam']}")
-    print(f"beam top-k over [rows x beams, vocab]: {results['top_k']}")
     if "host_profile" in results:
         print(f"host profile of the greedy call: {results['host_profile']}")
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")

@@ -198,36 +198,6 @@ def _initial_search(slots: _Slots, length: int) -> _Search:
 # One HF iteration, vectorised over request slots.
 
 
-def _split_count(rows: int, vocab: int, k: int) -> int:
-    """Into how many equal pieces to split each row of [rows, vocab] for ``split_top_k``: the
-    smallest divisor of ``vocab`` that gives >= 512 row pieces, each of >= 16 * k entries
-    (1 when none does: a prime vocabulary, or rows enough already)."""
-    for pieces in range(1, 65):
-        if vocab % pieces == 0 and vocab // pieces >= 16 * k and rows * pieces >= 512:
-            return pieces
-    return 1
-
-
-def split_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``jax.lax.top_k`` over the last axis of [rows, V], exactly, in two rounds: each row cut
-    into equal pieces (a free reshape), the top k of every piece, then the top k of those.
-
-    XLA's top-k kernel gives one thread block to a row: at beam search's 128 rows over
-    NLLB's 256206-entry vocabulary, 128 blocks each walk 1 MB, a quarter of the GPU's
-    bandwidth. Pieces give it more rows. Ties keep the lower index first, as ``top_k``: the
-    candidates of the second round are in index order.
-    """
-    rows, vocab = x.shape
-    pieces = _split_count(rows, vocab, k)
-    if pieces == 1:
-        return jax.lax.top_k(x, k)
-    width = vocab // pieces
-    values, ids = jax.lax.top_k(x.reshape(rows, pieces, width), k)  # [rows, pieces, k]
-    ids = ids + (jnp.arange(pieces, dtype=ids.dtype) * width)[None, :, None]
-    values, best = jax.lax.top_k(values.reshape(rows, pieces * k), k)
-    return values, jnp.take_along_axis(ids.reshape(rows, pieces * k), best, axis=1)
-
-
 @partial(jax.jit, static_argnames=("k",))
 def _top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Per row, the k largest log-softmax values (descending) and their token ids.
@@ -244,7 +214,7 @@ def _top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     the first by the simplifier) defeats the match and leaves a full sort of [rows, V].
     """
     logits = logits.astype(jnp.float32)
-    values, ids = split_top_k(logits, k)
+    values, ids = jax.lax.top_k(logits, k)
     peak = jnp.max(values, axis=-1, keepdims=True)  # = values[:, 0]
     log_total = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
     return (values - peak) - log_total, ids

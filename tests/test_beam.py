@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import jax
-import jax.numpy as jnp
 import nllb_fixtures as nf
 import numpy as np
 import pytest
@@ -212,19 +210,3 @@ def test_reordering_moves_every_valid_position_of_each_row(max_len):
                 np.testing.assert_array_equal(np.asarray(after)[row, :n], before[src, :n])
         cross = (moved.cross_k[0], cache.cross_k[0][source] if with_cross else cache.cross_k[0])
         np.testing.assert_array_equal(*cross)
-
-
-def test_split_top_k_equals_top_k_with_ties():
-    """The two-round top-k (rows cut into pieces) gives XLA's top-k exactly, ties included
-    (lower index first), and leaves a vocabulary it cannot cut evenly to one round."""
-    from spark_jax.beam import _split_count, split_top_k
-
-    rng = np.random.default_rng(0)
-    for rows, vocab, k in [(128, 3 * 1024, 8), (64, 4096, 10), (128, 997, 8)]:
-        x = jnp.asarray(rng.integers(0, 40, size=(rows, vocab)).astype(np.float32))
-        want = jax.lax.top_k(x, k)
-        got = jax.jit(split_top_k, static_argnums=1)(x, k)
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[1], want[1])
-    assert _split_count(128, 256206, 8) == 6
-    assert _split_count(128, 997, 8) == 1
