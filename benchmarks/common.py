@@ -82,11 +82,13 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
 
 
 def add_flash_prefill_flag(parser: argparse.ArgumentParser) -> None:
-    """``--flash-prefill``: our flash kernel in the default prefill dispatch of the run (see
-    ``spark_jax.attention.FLASH_PREFILL_BY_DEFAULT``); the caller sets the flag from it."""
+    """``--flash-prefill`` / ``--no-flash-prefill``: our flash kernel in the default prefill
+    dispatch of the run or not (``spark_jax.attention.FLASH_PREFILL_BY_DEFAULT``, on by
+    default as in the library); the caller sets the flag from it."""
     parser.add_argument(
         "--flash-prefill",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
     )
 

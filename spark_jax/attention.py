@@ -1,6 +1,5 @@
-"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, and our Pallas
-kernels on request (the flash kernel for prefill on Hopper by default once its warm-up cost is
-measured back down: ``FLASH_PREFILL_BY_DEFAULT``).
+"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, our flash
+kernel for prefill on Hopper (``FLASH_PREFILL_BY_DEFAULT``), and our decode kernels on request.
 
 Every caller describes what it wants with an ``AttentionMask`` of positions and lengths; the
 mask itself is built here, once, so the model files never build masks by hand. Models attend
@@ -250,12 +249,12 @@ def pallas_decode_applies(
 
 
 # The flash kernel for prefill on Hopper in the default dispatch. Measured on the H200 (runs k
-# and o of BENCHMARKS.md): a 4 x 2048 prefill 268 -> 186 ms (95% of the matmul rate), but an
-# 8B serving engine's warm-up 33 -> 118 s (startup 130 s against issue 7's 60 s), each of the
-# 32 layers' calls compiling its own copy of the kernel. Kernels are now shared per
-# configuration (``_shared`` in pallas_kernels/decode_attention.py); until a GPU run shows the
-# startup back under 60 s with this on, prefill keeps the reference by default.
-FLASH_PREFILL_BY_DEFAULT = False
+# and o of BENCHMARKS.md): a 4 x 2048 prefill 268 -> 186 ms (95% of the matmul rate). Its
+# first cost, an 8B serving engine's warm-up 33 -> 118 s, came from each of the 32 layers'
+# calls compiling its own copy of the kernel; with the kernels shared per configuration
+# (``_shared`` in pallas_kernels/decode_attention.py) run v measured warm-up 31.6 s, startup
+# 44.7 s in all. False keeps XLA's reference for prefill.
+FLASH_PREFILL_BY_DEFAULT = True
 
 # A one-token step with at least this many (row, kv head) programs walks its keys through the
 # flash kernel (measured at B=64, K=8: 2.55 TB/s against split-K's 1.42-1.92); fewer leave SMs
