@@ -266,6 +266,14 @@ def main() -> None:
         ),
         "cudnn_gemm_fusion": (None, {"xla_gpu_cudnn_gemm_fusion_level": 2}),
         "exhaustive_tiling": (None, {"xla_gpu_exhaustive_tiling_search": True}),
+        "triton_multi_output": (
+            None,
+            {"xla_gpu_unsupported_enable_triton_multi_output_fusion": True},
+        ),
+        "generic_triton_gemms": (
+            None,
+            {"xla_gpu_unsupported_enable_generic_triton_emitter_for_gemms": True},
+        ),
     }
     if args.variants != "all":
         chosen = [v for v in args.variants.split(",") if v and v != "none"]
