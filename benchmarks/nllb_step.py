@@ -46,6 +46,7 @@ from benchmarks.nllb import (
     Plan,
     _decode_loop,
     _loop_ms_per_step,
+    _reorder_loop,
     beam_requests,
     greedy_params,
     hf_config_dict,
@@ -131,6 +132,22 @@ def time_variant(
         "busy_us": profile.get("busy_us"),
         "span_us": profile.get("span_us"),
         "top_kinds": dict(list(kinds.items())[:8]),
+    }
+
+
+def reorder_profile(state: Any, rows: int, steps: int) -> dict[str, Any]:
+    """Beam search's cache reorder alone (every row takes another's history, at the state's
+    lengths): ms per reorder in a device loop and its kernels."""
+    source_rows = jnp.arange(rows, dtype=jnp.int32)[::-1]
+    run = partial(_reorder_loop, state, source_rows)
+    ms = _loop_ms_per_step(lambda k: run(steps=k), steps)
+    profile = kernel_profile(lambda: run(steps=steps), calls=2, per=steps)
+    kinds = profile.get("by_kind_count_us", {})
+    return {
+        "ms_per_reorder": ms,
+        "kernels": profile.get("kernels"),
+        "busy_us": profile.get("busy_us"),
+        "top_kinds": dict(list(kinds.items())[:6]),
     }
 
 
@@ -314,6 +331,7 @@ def main() -> None:
         results[name] = engine_call(model, plan, fixed, per_sync)
     if args.host_profile:
         results["host_profile"] = host_profile(model, plan)
+    results["beam_reorder"] = reorder_profile(beam_state(), beam_rows, steps)
     results["engine_beam"] = beam_call(model, plan, None)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_step")
@@ -326,7 +344,7 @@ def main() -> None:
             f" ms in {r['idle_gaps']} gaps >= 20 us; longest [us, after, before, at ms]:"
             f" {r['longest_gaps_us_after_before_at_ms']}"
         )
-    print(f"beam call: {results['engine_beam']}")
+    print(f"beam call: {results['engine_beam']}; reorder alone: {results['beam_reorder']}")
     if "host_profile" in results:
         print(f"host profile of the greedy call: {results['host_profile']}")
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")
