@@ -525,17 +525,9 @@ def _decode_loop(params, config, tokens, active, cache, steps: int, width: int):
     return jax.lax.fori_loop(0, steps, body, (cache, tokens))
 
 
-@partial(jax.jit, static_argnames=("steps", "in_place"))
-def _reorder_loop(cache, source_rows, steps: int, in_place: bool = False):
-    """``steps`` beam reorders of ``cache``: as the search does them (into a spare set of
-    buffers, ``gather_rows_into``), or ``in_place`` (``gather_rows``)."""
-    if in_place:
-        return jax.lax.fori_loop(0, steps, lambda _, c: c.gather_rows(source_rows, False), cache)
-
-    def body(_, carry):
-        return carry[0].gather_rows_into(source_rows, False, carry[1])
-
-    return jax.lax.fori_loop(0, steps, body, (cache, cache.spare_self_kv()))
+@partial(jax.jit, static_argnames=("steps",))
+def _reorder_loop(cache, source_rows, steps: int):
+    return jax.lax.fori_loop(0, steps, lambda _, c: c.gather_rows(source_rows, False), cache)
 
 
 def _loop_ms_per_step(run: Callable[[int], Any], steps: int) -> float:

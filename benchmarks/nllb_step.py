@@ -135,12 +135,11 @@ def time_variant(
     }
 
 
-def reorder_profile(state: Any, rows: int, steps: int, in_place: bool) -> dict[str, Any]:
+def reorder_profile(state: Any, rows: int, steps: int) -> dict[str, Any]:
     """Beam search's cache reorder alone (every row takes another's history, at the state's
-    lengths), into a spare set of buffers or ``in_place``: ms per reorder in a device loop
-    and its kernels."""
+    lengths): ms per reorder in a device loop and its kernels."""
     source_rows = jnp.arange(rows, dtype=jnp.int32)[::-1]
-    run = partial(_reorder_loop, state, source_rows, in_place=in_place)
+    run = partial(_reorder_loop, state, source_rows)
     ms = _loop_ms_per_step(lambda k: run(steps=k), steps)
     profile = kernel_profile(lambda: run(steps=steps), calls=2, per=steps)
     kinds = profile.get("by_kind_count_us", {})
@@ -332,8 +331,7 @@ def main() -> None:
         results[name] = engine_call(model, plan, fixed, per_sync)
     if args.host_profile:
         results["host_profile"] = host_profile(model, plan)
-    results["beam_reorder"] = reorder_profile(beam_state(), beam_rows, steps, False)
-    results["beam_reorder_in_place"] = reorder_profile(beam_state(), beam_rows, steps, True)
+    results["beam_reorder"] = reorder_profile(beam_state(), beam_rows, steps)
     results["engine_beam"] = beam_call(model, plan, None)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_step")
@@ -346,9 +344,7 @@ def main() -> None:
             f" ms in {r['idle_gaps']} gaps >= 20 us; longest [us, after, before, at ms]:"
             f" {r['longest_gaps_us_after_before_at_ms']}"
         )
-    print(f"beam call: {results['engine_beam']}")
-    for name in ("beam_reorder", "beam_reorder_in_place"):
-        print(f"{name}: {results[name]}")
+    print(f"beam call: {results['engine_beam']}; reorder alone: {results['beam_reorder']}")
     if "host_profile" in results:
         print(f"host profile of the greedy call: {results['host_profile']}")
     print(f"floor {floor_ms:.3f} ms/step ({nbytes / 1e9:.3f} GB at {read_bps / 1e12:.2f} TB/s)")

@@ -139,7 +139,6 @@ class _Carry:
     """What one search step hands the next: the cache, the rows' next inputs, the search."""
 
     cache: Any  # the runner's state (rows of an EncoderDecoderCache)
-    spare: Any  # a second set of the cache's self-attention buffers: each reorder writes them
     tokens: jax.Array  # int32[rows]: each row's next decoder input
     active: jax.Array  # bool[rows]: rows whose beam is still running
     sequences: jax.Array  # int32[rows, L]: each row's running beam, generated tokens
@@ -349,10 +348,8 @@ def _step(
     source = jnp.where(moving, s.slots.rows[slot, parents[slot, beam]], row)
     token = tokens[slot, beam]
     position = jnp.arange(c.sequences.shape[1]) == (s.cur_len[slot] - 2)[:, None]
-    cache, spare = c.cache.gather_rows_into(source, cross, c.spare)
     return _Carry(
-        cache=cache,
-        spare=spare,
+        cache=c.cache.gather_rows(source, cross),
         tokens=jnp.where(moving, token, c.tokens),
         active=jnp.where(moving, search.live[slot], c.active),
         sequences=jnp.where(moving[:, None] & position, token[:, None], c.sequences[source]),
@@ -559,7 +556,6 @@ class BeamLane:
         self.table = _SlotTable(rows, beams, length)
         self.carry = _Carry(
             cache=state,
-            spare=state.spare_self_kv(),  # doubles the self-attention buffers: see gather_rows_into
             tokens=jnp.asarray(np.zeros(rows, np.int32)),
             active=jnp.asarray(np.zeros(rows, bool)),
             sequences=jnp.asarray(np.zeros((rows, length), np.int32)),

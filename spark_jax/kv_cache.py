@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -291,32 +291,9 @@ class EncoderDecoderCache(_Rows):
         The cross-attention buffers are copied only ``with_cross``: beams of one request share
         their source, so reordering within a request never needs to move them.
         """
-        lengths = self.lengths[source_rows]
-        k, v = _move_prefix(source_rows, jnp.max(lengths), (self.k, self.v))
-        return self._reordered(source_rows, with_cross, k, v, lengths)
-
-    def spare_self_kv(self) -> SelfKV:
-        """A second set of self-attention buffers, for ``gather_rows_into`` (contents unused)."""
-        return _zeros_like((self.k, self.v))
-
-    def gather_rows_into(
-        self, source_rows: jax.Array, with_cross: bool, spare: SelfKV
-    ) -> tuple[EncoderDecoderCache, SelfKV]:
-        """``gather_rows`` written into ``spare`` (the self-attention buffers of
-        ``spare_self_kv``) instead of in place; returns the cache and the next spare (the
-        buffers it read from).
-
-        Reordering in place needs each moved piece gathered into a temporary first (a row may
-        be read after another row's copy wrote it); into a second buffer, the gather writes
-        its destination directly: half the bytes and one kernel per piece instead of two.
-        Positions past a row's length are never read, so the spare's stale rows do no harm.
-        """
-        lengths = self.lengths[source_rows]
-        k, v = _move_prefix(source_rows, jnp.max(lengths), (self.k, self.v), spare)
-        return self._reordered(source_rows, with_cross, k, v, lengths), (self.k, self.v)
-
-    def _reordered(self, source_rows, with_cross, k, v, lengths) -> EncoderDecoderCache:
         take = lambda layers: tuple(x[source_rows] for x in layers)
+        lengths = self.lengths[source_rows]
+        k, v = _move_prefix(source_rows, jnp.max(lengths), self.k, self.v)
         fields = {"k": k, "v": v, "lengths": lengths}
         if with_cross:
             fields |= {
@@ -330,43 +307,27 @@ class EncoderDecoderCache(_Rows):
 _REORDER_CHUNK = 32  # positions a beam reorder moves per loop iteration
 
 
-SelfKV = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
-
-
-@jax.jit
-def _zeros_like(tree: Any) -> Any:
-    """Zeros of ``tree``'s shapes in one dispatch (an eager zeros per array is one each)."""
-    return jax.tree_util.tree_map(jnp.zeros_like, tree)
-
-
 def _move_prefix(
-    source_rows: jax.Array, used: jax.Array, layers: SelfKV, into: SelfKV | None = None
-) -> SelfKV:
-    """Row r of every [slots, S, ...] buffer becomes row ``source_rows[r]``, positions < used;
-    written in place, or into the same-shaped buffers ``into``.
+    source_rows: jax.Array, used: jax.Array, *layers: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], ...]:
+    """Row r of every [slots, S, ...] buffer becomes row ``source_rows[r]``, positions < used.
 
     Positions at or past a row's length are never read, so only the chunks below ``used``
-    (a traced scalar) are moved: a beam step at length t moves ~t/S of each buffer. In place,
-    each chunk is gathered into a small temporary and written back; gathering whole buffers
-    wrote a full temporary that XLA then copied back, twice the bytes per step.
+    (a traced scalar) are moved: a beam step at length t moves ~t/S of each buffer. Each
+    chunk is gathered into a small temporary and written back in place; gathering whole
+    buffers wrote a full temporary that XLA then copied back, twice the bytes per step.
     """
     size = layers[0][0].shape[1]
     chunk = _REORDER_CHUNK if size % _REORDER_CHUNK == 0 else size
-    into = layers if into is None else into
 
     def move(carry):
-        start, written = carry
+        start, layers = carry
 
-        def part(src, dst):
-            piece = jax.lax.dynamic_slice_in_dim(src, start, chunk, axis=1)[source_rows]
-            return jax.lax.dynamic_update_slice_in_dim(dst, piece, start, axis=1)
+        def part(x):
+            piece = jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)[source_rows]
+            return jax.lax.dynamic_update_slice_in_dim(x, piece, start, axis=1)
 
-        def moved(sources, destinations):
-            return tuple(map(part, sources, destinations))
+        return start + chunk, tuple(tuple(map(part, buffers)) for buffers in layers)
 
-        if into is layers:  # in place: each chunk reads the buffer as written so far
-            return start + chunk, tuple(map(moved, written, written))
-        return start + chunk, tuple(map(moved, layers, written))
-
-    _, written = jax.lax.while_loop(lambda c: c[0] < used, move, (jnp.int32(0), into))
-    return written
+    _, layers = jax.lax.while_loop(lambda c: c[0] < used, move, (jnp.int32(0), layers))
+    return layers
