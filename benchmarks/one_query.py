@@ -59,7 +59,13 @@ def make_inputs(shape: dict[str, int], rows: int, dtype: jnp.dtype, seed: int = 
         v=tuple(normal(rows, shape["self_len"], n, h) for _ in range(layers)),
         cross_k=tuple(normal(rows, shape["source_len"], n, h) for _ in range(layers)),
         cross_v=tuple(normal(rows, shape["source_len"], n, h) for _ in range(layers)),
-        lengths=jnp.asarray(rng.integers(shape["length"] - 8, shape["length"] + 8, rows), "int32"),
+        # Rows in groups of 4 share a length, as the beams of one request do.
+        lengths=jnp.asarray(
+            np.repeat(rng.integers(shape["length"] - 8, shape["length"] + 8, -(-rows // 4)), 4)[
+                :rows
+            ],
+            "int32",
+        ),
         source_lengths=jnp.asarray(rng.integers(shape["src"] - 4, shape["src"] + 4, rows), "int32"),
         # Beam reorder: each row takes a random beam of its group of 4 as its parent.
         parents=jnp.asarray(
@@ -103,8 +109,8 @@ def _kernel_like(interpret: bool, **tuning: int) -> Callable[..., Any]:
 def make_step(variant: Callable[..., Any], reorder: str, inputs: dict) -> Callable[[State], State]:
     """One decoder step's attentions; ``reorder``: "", "gather" (rows moved) or "table"."""
     self_attention, cross_attention = variant
-    cross_k, cross_v, source_lengths = inputs["cross_k"], inputs["cross_v"], inputs["source_lengths"]
-    parents = inputs["parents"]
+    cross_k, cross_v = inputs["cross_k"], inputs["cross_v"]
+    source_lengths, parents = inputs["source_lengths"], inputs["parents"]
 
     @partial(jax.jit, donate_argnums=0)
     def step(state: State) -> State:
@@ -114,8 +120,10 @@ def make_step(variant: Callable[..., Any], reorder: str, inputs: dict) -> Callab
             vs = tuple(v[parents] for v in vs)
         if reorder == "table":
             # The parents' rows of the table; the newest position is each row's own.
-            table = table[parents].at[jnp.arange(table.shape[0]), lengths].set(
-                jnp.arange(table.shape[0]), mode="drop"
+            table = (
+                table[parents]
+                .at[jnp.arange(table.shape[0]), lengths]
+                .set(jnp.arange(table.shape[0]), mode="drop")
             )
         new_ks, new_vs = [], []
         for k, v, ck, cv in zip(ks, vs, cross_k, cross_v, strict=True):

@@ -52,7 +52,6 @@ def one_query_attention_applies(q: jax.Array, k_cache: jax.Array) -> bool:
         and k_cache.shape[2] == n
         and k_cache.shape[3] == h
         and h & (h - 1) == 0
-        and h >= 16
         and k_cache.shape[1] % 16 == 0
         and k_cache.dtype == q.dtype
     )
@@ -79,9 +78,11 @@ def one_query_attention_reference(
     if k_new is None:
         mask = AttentionMask(jnp.zeros((b, 1), jnp.int32), lengths, causal=False)
         return reference_attention(q, keys, values, mask, scale=scale), None, None
+    # The new key sits right after the row's keys, in one spare position past a full row.
     rows = jnp.arange(b)
-    keys = keys.at[rows, lengths].set(k_new[:, 0], mode="drop")
-    values = values.at[rows, lengths].set(v_new[:, 0], mode="drop")
+    spare = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+    keys = spare(keys).at[rows, lengths].set(k_new[:, 0])
+    values = spare(values).at[rows, lengths].set(v_new[:, 0])
     mask = AttentionMask(jnp.zeros((b, 1), jnp.int32), lengths + 1, causal=False)
     out = reference_attention(q, keys, values, mask, scale=scale)
     k_cache = k_cache.at[rows, lengths].set(k_new[:, 0], mode="drop")

@@ -19,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from spark_jax.kv_cache import PagedLayer, read_rows
+from spark_jax.kv_cache import PagedLayer, read_rows, read_through, write_kv
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -199,6 +199,38 @@ def cudnn_paged_decode_attention(
     )
 
 
+def cache_step_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array | PagedLayer,
+    v_cache: jax.Array | PagedLayer,
+    slots: jax.Array | None,
+    positions: jax.Array,
+    mask: AttentionMask,
+    row_table: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, jax.Array | PagedLayer, jax.Array | PagedLayer]:
+    """Writes the step's k/v [B,T,K,H] at ``positions`` [B,T] of rows ``slots`` (all rows if
+    None), then attends q over the rows as ``cache_attention``: (out, k_cache, v_cache).
+
+    ``row_table`` int32[B, S] (a dense cache, every row in order): row b reads position t from
+    cache row ``row_table[b, t]`` (beam search moves this table, not the rows). Where the
+    one-query kernel takes the step (one token per row, every row in order, a dense MHA cache:
+    ``one_query_picked``) the write and the attention are one kernel; each row then sees its
+    own new key even where the mask hides it (an inactive row, whose output no caller reads).
+    """
+    dense = not isinstance(k_cache, PagedLayer)
+    if dense and slots is None and one_query_picked(q, k_cache, sliding_window):
+        return _one_query(q, k_cache, v_cache, positions[:, 0], k, v, row_table)
+    k_cache = write_kv(k_cache, k, slots, positions)
+    v_cache = write_kv(v_cache, v, slots, positions)
+    if row_table is None:
+        return cache_attention(q, k_cache, v_cache, slots, mask, sliding_window), k_cache, v_cache
+    keys, values = read_through(k_cache, row_table), read_through(v_cache, row_table)
+    return attention(q, keys, values, mask, sliding_window), k_cache, v_cache
+
+
 def cache_attention(
     q: jax.Array,
     k_cache: jax.Array | PagedLayer,
@@ -374,6 +406,47 @@ def pallas_paged_attention(
     )
 
 
+# The one-query kernel (``pallas_kernels/one_query_attention.py``, Triton) for a decode step of
+# an MHA model over a short cache: measured on the H200 at NLLB-600M's step (run a2 of
+# BENCHMARKS.md), the 24 attentions of a step 284 -> 152-162 us at 32 rows and 590 -> 224-234
+# us at 128 rows against cuDNN (the cache writes included). It walks each row's keys in one
+# program, so a long cache over few rows would leave the GPU idle: past this many positions
+# the split kernels (cuDNN's, ours) keep the step.
+ONE_QUERY_MAX_KEYS = 256
+
+
+def one_query_picked(
+    q: jax.Array, k: jax.Array, sliding_window: int | None, implementation: str | None = None
+) -> bool:
+    """True where the dispatch runs the one-query kernel: one query per row of an MHA model
+    over at most ``ONE_QUERY_MAX_KEYS`` positions, no window, for ``implementation`` None on a
+    GPU (bf16/f16) or "pallas" (interpreted off the GPU); ``forced_implementation`` overrides
+    None."""
+    from pallas_kernels.one_query_attention import one_query_attention_applies
+
+    if sliding_window is not None or k.shape[1] > ONE_QUERY_MAX_KEYS:
+        return False
+    if not one_query_attention_applies(q, k):
+        return False
+    implementation = implementation or _FORCED[0]
+    on_gpu = jax.default_backend() == "gpu"
+    half = q.dtype in (jnp.bfloat16, jnp.float16)
+    if implementation == "pallas":
+        return not on_gpu or half
+    return implementation is None and on_gpu and half
+
+
+def _one_query(
+    q, k_cache, v_cache, lengths, k_new=None, v_new=None, row_table=None, scale=None
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    from pallas_kernels.one_query_attention import one_query_attention
+
+    interpret = jax.default_backend() != "gpu"
+    return one_query_attention(
+        q, k_cache, v_cache, lengths, k_new, v_new, row_table, scale, interpret=interpret
+    )
+
+
 def _one_query_lengths(mask: AttentionMask) -> jax.Array:
     """Each row's visible keys for one query per row: causality only shortens the row."""
     if not mask.causal:
@@ -438,6 +511,9 @@ def attention(
     do not apply. ``forced_implementation`` overrides None.
     """
     implementation = implementation or _FORCED[0]
+    picked = one_query_picked(q, k, sliding_window, implementation)
+    if implementation in (None, "pallas") and picked:
+        return _one_query(q, k, v, _one_query_lengths(mask), scale=scale)[0]
     if implementation is None:
         if cudnn_decode_applies(q, k, sliding_window):
             return cudnn_decode_attention(q, k, v, mask, scale)

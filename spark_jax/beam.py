@@ -551,7 +551,9 @@ class BeamLane:
         self.max_beams = min(beams, rows)
         self.max_new = length - 2
         self.width = max(2, 1 + self.eos.shape[0]) * beams
-        state = runner.init_state(rows, length, max_source)
+        # Beams read their shared history through a row table: a reorder moves the table,
+        # not every layer's rows (EncoderDecoderCache.gather_rows).
+        state = runner.init_state(rows, length, max_source, row_table=True)
         # Every request holds at least one row, so rows request slots always suffice.
         self.table = _SlotTable(rows, beams, length)
         self.carry = _Carry(

@@ -94,6 +94,13 @@ def write_kv(
     return cache_layer.at[rows, positions].set(new.astype(cache_layer.dtype), mode="drop")
 
 
+def read_through(cache_layer: jax.Array, row_table: jax.Array) -> jax.Array:
+    """``[B, S, K, H]``: position t of row b read from cache row ``row_table[b, t]`` (a gather;
+    beam search's rows read their shared history this way instead of moving it)."""
+    positions = jnp.arange(cache_layer.shape[1])[None, :]
+    return cache_layer[row_table, positions]
+
+
 def read_rows(cache_layer: jax.Array, slots: jax.Array | None) -> jax.Array:
     """The rows of the given slots, ``[B, S, K, H]``; no copy when every row is used in order."""
     if isinstance(cache_layer, PagedLayer):
@@ -242,6 +249,10 @@ class EncoderDecoderCache(_Rows):
     cross_v: tuple[jax.Array, ...]  # per decoder layer [slots, S_src, N, H]
     lengths: jax.Array  # int32[slots]: valid self-attention keys per row
     source_lengths: jax.Array  # int32[slots]: valid cross-attention keys per row
+    # int32[slots, S] or None: the row holding each position of a row's self-attention keys.
+    # Beam search's reorder then moves this table instead of every layer's rows (see
+    # ``gather_rows``); a row always writes its new keys into itself.
+    row_table: jax.Array | None = None
 
     @classmethod
     def create(
@@ -253,6 +264,7 @@ class EncoderDecoderCache(_Rows):
         num_heads: int,
         head_dim: int,
         dtype: jnp.dtype,
+        row_table: bool = False,
     ) -> EncoderDecoderCache:
         self_shape = (num_slots, max_len, num_heads, head_dim)
         cross_shape = (num_slots, max_source_len, num_heads, head_dim)
@@ -263,6 +275,7 @@ class EncoderDecoderCache(_Rows):
             cross_v=tuple(jnp.zeros(cross_shape, dtype) for _ in range(num_layers)),
             lengths=jnp.zeros((num_slots,), jnp.int32),
             source_lengths=jnp.zeros((num_slots,), jnp.int32),
+            row_table=_own_rows(num_slots, max_len) if row_table else None,
         )
 
     @property
@@ -293,8 +306,16 @@ class EncoderDecoderCache(_Rows):
         """
         take = lambda layers: tuple(x[source_rows] for x in layers)
         lengths = self.lengths[source_rows]
-        k, v = _move_prefix(source_rows, jnp.max(lengths), self.k, self.v)
-        fields = {"k": k, "v": v, "lengths": lengths}
+        if self.row_table is None:
+            k, v = _move_prefix(source_rows, jnp.max(lengths), self.k, self.v)
+            fields = {"k": k, "v": v, "lengths": lengths}
+        else:
+            # Row r's history is its source's: positions below the length read where the
+            # source reads; the rest (where r writes next) is r's own.
+            slots, size = self.row_table.shape
+            below = jnp.arange(size)[None, :] < lengths[:, None]
+            table = jnp.where(below, self.row_table[source_rows], _own_rows(slots, size))
+            fields = {"row_table": table, "lengths": lengths}
         if with_cross:
             fields |= {
                 "cross_k": take(self.cross_k),
@@ -302,6 +323,11 @@ class EncoderDecoderCache(_Rows):
                 "source_lengths": self.source_lengths[source_rows],
             }
         return dataclasses.replace(self, **fields)
+
+
+def _own_rows(num_slots: int, size: int) -> jax.Array:
+    """int32[slots, size]: every row reads its own positions (the identity row table)."""
+    return jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32)[:, None], (num_slots, size))
 
 
 _REORDER_CHUNK = 32  # positions a beam reorder moves per loop iteration

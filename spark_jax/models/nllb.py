@@ -25,6 +25,7 @@ run with the request's adapter, so the cached cross K/V already carry it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -35,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention
+from spark_jax.attention import AttentionMask, attention, cache_step_attention
 from spark_jax.config import NllbConfig
-from spark_jax.kv_cache import EncoderDecoderCache, read_rows, write_kv
+from spark_jax.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.lora import LoraBatch, LoraTarget, scope
 from spark_jax.models.common import bucket, random_params
@@ -200,7 +201,8 @@ class SelfAttention(nn.Module):
     """Biased multi-head self-attention; with ``cache`` (k, v) the new keys are appended first.
 
     ``fresh``: every row starts at position 0, so it attends to the new keys alone and never
-    reads (gathers) its longer cache row.
+    reads (gathers) its longer cache row. ``row_table``: the cache's (beam search), read
+    through by ``cache_step_attention``.
     """
 
     d_model: int
@@ -209,21 +211,31 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x, mask, cache=None, slots=None, cache_positions=None, lora=None, fresh=False
+        self,
+        x,
+        mask,
+        cache=None,
+        slots=None,
+        cache_positions=None,
+        lora=None,
+        fresh=False,
+        row_table=None,
     ):
         qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
         )
         q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
-        if cache is not None:
-            k_cache, v_cache = cache
-            cache = (
-                write_kv(k_cache, k, slots, cache_positions),
-                write_kv(v_cache, v, slots, cache_positions),
+        if cache is not None and not fresh:
+            out, *cache = cache_step_attention(
+                q, k, v, *cache, slots, cache_positions, mask, row_table
             )
-            if not fresh:
-                k, v = read_rows(cache[0], slots), read_rows(cache[1], slots)
-        out = _merge_heads(attention(q, k, v, mask))
+            cache = tuple(cache)
+        else:
+            if cache is not None:
+                new = zip(cache, (k, v), strict=True)
+                cache = tuple(write_kv(c, x, slots, cache_positions) for c, x in new)
+            out = attention(q, k, v, mask)
+        out = _merge_heads(out)
         out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
         return out_proj(out, scope(lora, "out_proj")), cache
 
@@ -294,8 +306,11 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
         self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
 
-    def __call__(self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions, lora, fresh):
-        """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read."""
+    def __call__(
+        self, x, self_mask, cross_mask, kv, cross_kv, slots, cache_positions, lora, fresh, table
+    ):
+        """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read;
+        table: the cache's row table (or None)."""
         h, kv = self.self_attn(
             self.self_attn_norm(x),
             self_mask,
@@ -304,6 +319,7 @@ class DecoderLayer(nn.Module):
             cache_positions,
             scope(lora, "self_attn"),
             fresh,
+            table,
         )
         x = x + h
         cross_lora = scope(lora, "cross_attn")
@@ -361,12 +377,14 @@ class Nllb(nn.Module):
         slots,
         lora=None,
         fresh=False,
+        row_table=None,
     ):
         """Runs tokens[B, T] at cache positions starts[b] + t; returns hidden and new (k, v)s.
 
         ``cross_kv`` holds each layer's (k, v) rows for this batch; ``cache`` the self-attention
         (k, v) buffers, written at rows ``slots`` (every row in order when None); ``lora`` the
-        adapter of each of the B rows; ``fresh``: every start is 0 (attention stays in tokens).
+        adapter of each of the B rows; ``fresh``: every start is 0 (attention stays in tokens);
+        ``row_table``: the cache's (beam search), with every row in order.
         """
         c = self.config
         cache_positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -379,7 +397,16 @@ class Nllb(nn.Module):
         for i, (layer, kv, layer_cross) in enumerate(layers):
             layer_lora = scope(lora, f"decoder_layers_{i}")
             x, kv = layer(
-                x, self_mask, cross_mask, kv, layer_cross, slots, cache_positions, layer_lora, fresh
+                x,
+                self_mask,
+                cross_mask,
+                kv,
+                layer_cross,
+                slots,
+                cache_positions,
+                layer_lora,
+                fresh,
+                row_table,
             )
             new_cache.append(kv)
         return self.decoder_norm(x), tuple(new_cache)
@@ -403,9 +430,17 @@ class Nllb(nn.Module):
 
 # One jitted call allocates every buffer: built op by op, the 4 x layers + 2 zero arrays were
 # as many dispatches on each generate call (~50 at NLLB-600M's 12 decoder layers).
-@partial(jax.jit, static_argnames=("config", "num_slots", "max_len", "max_source_len", "dtype"))
+@partial(
+    jax.jit,
+    static_argnames=("config", "num_slots", "max_len", "max_source_len", "dtype", "row_table"),
+)
 def init_cache(
-    config: NllbConfig, num_slots: int, max_len: int, max_source_len: int, dtype: jnp.dtype
+    config: NllbConfig,
+    num_slots: int,
+    max_len: int,
+    max_source_len: int,
+    dtype: jnp.dtype,
+    row_table: bool = False,
 ) -> EncoderDecoderCache:
     heads = config.decoder_attention_heads
     return EncoderDecoderCache.create(
@@ -416,6 +451,7 @@ def init_cache(
         heads,
         config.d_model // heads,
         dtype,
+        row_table,
     )
 
 
@@ -429,14 +465,7 @@ def _self_kv(cache: EncoderDecoderCache):
 
 def _with_self_kv(cache: EncoderDecoderCache, kvs, lengths) -> EncoderDecoderCache:
     k, v = zip(*kvs, strict=True)
-    return EncoderDecoderCache(
-        k=tuple(k),
-        v=tuple(v),
-        cross_k=cache.cross_k,
-        cross_v=cache.cross_v,
-        lengths=lengths,
-        source_lengths=cache.source_lengths,
-    )
+    return dataclasses.replace(cache, k=tuple(k), v=tuple(v), lengths=lengths)
 
 
 @partial(jax.jit, static_argnames=("config",))
@@ -484,6 +513,10 @@ def prefill(
         method=Nllb.decode,
     )
     k, v = zip(*kvs, strict=True)
+    row_table = cache.row_table
+    if row_table is not None:  # a prefilled row reads its own positions
+        own = jnp.broadcast_to(slots[:, None], (slots.shape[0], row_table.shape[1]))
+        row_table = row_table.at[slots].set(own, mode="drop")
     cache = EncoderDecoderCache(
         k=tuple(k),
         v=tuple(v),
@@ -491,6 +524,7 @@ def prefill(
         cross_v=write(cache.cross_v, [kv[1] for kv in cross]),
         lengths=cache.lengths.at[slots].set(num_new, mode="drop"),
         source_lengths=cache.source_lengths.at[slots].set(src_len, mode="drop"),
+        row_table=row_table,
     )
     return apply(hidden[:, -1], method=Nllb.logits), cache
 
@@ -526,6 +560,7 @@ def decode(
         _self_kv(cache),
         None,
         lora,
+        row_table=cache.row_table,
         method=Nllb.decode,
     )
     cache = _with_self_kv(cache, kvs, cache.lengths + num_new)
@@ -661,11 +696,12 @@ class NllbRunner:
     # -- the Runner protocol ----------------------------------------------------------------
 
     def init_state(
-        self, num_slots: int, max_len: int, max_prompt_len: int = 0
+        self, num_slots: int, max_len: int, max_prompt_len: int = 0, row_table: bool = False
     ) -> EncoderDecoderCache:
-        """``max_len`` decoder positions per row (seed included); sources up to max_prompt_len."""
+        """``max_len`` decoder positions per row (seed included); sources up to max_prompt_len;
+        ``row_table``: rows read their history through a table (beam search's reorder)."""
         max_source = bucket(min(max(max_prompt_len, 1), self.max_source_len))
-        return init_cache(self.config, num_slots, max_len, max_source, self.dtype)
+        return init_cache(self.config, num_slots, max_len, max_source, self.dtype, row_table)
 
     def prefill(
         self,
