@@ -16,7 +16,9 @@ are gone). Without them (cross-attention) the kernel only reads.
 
 ``row_table`` (beam search): row b reads key position t from cache row ``row_table[b, t]``
 instead of its own row, so a beam reorder rewrites that small table instead of moving every
-layer's cache rows; the new key is still written into row b.
+layer's cache rows; the new key is still written into row b. Programs run in any order, so a
+table must not name, below a row's length, the position another row writes in the same call
+(beams of one request share their length: none reads the position its siblings write).
 
 Why Triton and not Mosaic GPU: the work is a few multiply-reduces per key on a handful of
 heads, which Triton lowers directly; Mosaic GPU's register layouts are built around wgmma

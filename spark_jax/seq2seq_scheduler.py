@@ -26,6 +26,8 @@ nothing to stream). A request's hypotheses are those ``sj.generate_beam`` gives 
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -94,8 +96,8 @@ class EncoderDecoderEngine(Engine):
         self._new_beam_lane()
 
     def _new_beam_lane(self) -> None:
-        # The same rows, length and sources as the greedy cache, committed like it, so the
-        # lane's prefills are the greedy path's compiled programs.
+        # The same rows, length and sources as the greedy cache, committed like it; its row
+        # table makes its prefills programs of their own (``_warm_beam_prefills``).
         self.beams = BeamLane(
             self.runner, self.max_num_beams, self.num_slots, self.max_model_len,
             self.max_source_len,
@@ -253,7 +255,22 @@ class EncoderDecoderEngine(Engine):
         on rows out of range), then the beam lane's programs."""
         super().warmup(compile_threads)
         with self._lock:
+            self._warm_beam_prefills(compile_threads)
             self._warm_beam_lane(self._warmup_request().tgt_lang)
+
+    def _warm_beam_prefills(self, compile_threads: int) -> None:
+        """Every prefill shape again on the beam lane's cache, whose row table (beams read
+        their history through it) makes its prefills programs of their own; run on rows out
+        of range, so nothing is written."""
+        steps = [self._warm_prefill_args(*shape) for shape in self.prefill_shapes()]
+        steps += [(a, kw) for a, kw in steps for kw in self._adapted(kw)]
+        lane = lambda args: (self.beams.carry.cache, *args[1:])
+        lowered = [self.runner.lower_prefill(*lane(a), **kw) for a, kw in steps]
+        with ThreadPoolExecutor(max(1, compile_threads)) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        for args, kwargs in steps:
+            _, cache = self.runner.prefill(*lane(args), **kwargs)
+            self.beams.carry = dataclasses.replace(self.beams.carry, cache=cache)
 
     def _decode_shapes(self) -> list[int]:
         return [0]  # one decode step: the cache has no block table
