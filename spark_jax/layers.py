@@ -79,8 +79,48 @@ class RMSNorm(nn.Module):
         return (normed.astype(self.dtype) * scale).astype(self.dtype)
 
 
+# Our one-kernel LayerNorm (``pallas_kernels/layer_norm.py``) on the GPU: XLA's is two kernels
+# (statistics, then the affine), which NLLB-600M's launch-bound decode step pays 37 times.
+PALLAS_LAYER_NORM = True
+
+
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: Dtype
+) -> jax.Array:
+    """LayerNorm over the last axis with fp32 statistics, in ``dtype``: our kernel on a GPU
+    (bf16/f16, ``PALLAS_LAYER_NORM``) where it applies, else ``layer_norm_reference``."""
+    from pallas_kernels.layer_norm import layer_norm as kernel
+    from pallas_kernels.layer_norm import layer_norm_applies
+
+    if (
+        PALLAS_LAYER_NORM
+        and jax.default_backend() == "gpu"
+        and x.dtype in (jnp.bfloat16, jnp.float16)
+        and layer_norm_applies(x)
+    ):
+        return kernel(x, scale, bias, eps, dtype)
+    return layer_norm_reference(x, scale, bias, eps, dtype)
+
+
+def layer_norm_reference(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: Dtype
+) -> jax.Array:
+    """LayerNorm in jnp: statistics in fp32, one pass."""
+    x32 = x.astype(jnp.float32)
+    # One pass: E[x] and E[x^2] are sibling reductions of one input, which XLA's GPU
+    # multi-output fusion can run as one kernel; the two-pass E[(x - E[x])^2] waits for
+    # the mean, a second reduction kernel. In fp32 the cancellation costs precision only
+    # when |mean| > ~256 std, past a bf16 input's own rounding; outlier channels raise the
+    # variance, not the mean.
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    var = jnp.maximum(mean_square - mean * mean, 0.0)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+
+
 class LayerNorm(nn.Module):
-    """LayerNorm with bias, statistics in fp32 (M2M100 / NLLB)."""
+    """LayerNorm with bias, statistics in fp32 (M2M100 / NLLB); see ``layer_norm``."""
 
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
@@ -89,18 +129,7 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        # One pass: E[x] and E[x^2] are sibling reductions of one input, which XLA's GPU
-        # multi-output fusion can run as one kernel; the two-pass E[(x - E[x])^2] waits for
-        # the mean, a second reduction kernel (NLLB-600M's decode step has 37 norms and is
-        # launch-bound; benchmarks/nllb.py counts its kernels). In fp32 the cancellation
-        # costs precision only when |mean| > ~256 std, past a bf16 input's own rounding;
-        # outlier channels raise the variance, not the mean.
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        mean_square = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        var = jnp.maximum(mean_square - mean * mean, 0.0)
-        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        return layer_norm(x, scale, bias, self.eps, self.dtype)
 
 
 def rotary_angles(positions: jax.Array, inv_freq: Sequence[float]) -> tuple[jax.Array, jax.Array]:
