@@ -6,8 +6,7 @@ bf16 weights; each variant runs in a fixed-count device loop (``benchmarks.nllb.
 argmax picks), timed as (T(2k) - T(k)) / k, and profiled kernel by kernel
 (``benchmarks.common.kernel_profile``). The floor is the bytes one step must read (decoder
 weights, the tied LM head, the self and cross K/V in use) at the read bandwidth measured in
-the same run. Variants: the default dispatch (fused decode layers); the modules' path instead
-(``unfused_layers``); attention through our Pallas kernels or XLA's
+the same run. Variants: the default dispatch; attention through our Pallas kernels or XLA's
 reference instead of cuDNN; XLA command buffers on the loop; cuBLAS instead of Triton GEMMs;
 XLA options that change fusion or GEMM choice.
 The engine's call (``sj.generate_batch``, 64 new tokens) is profiled whole: the kernels'
@@ -269,9 +268,6 @@ def main() -> None:
     no_triton = {"xla_gpu_enable_triton_gemm": False}
     variants = {
         "default": (None, None),
-        # The modules' path (XLA GEMMs) instead of the fused decode layers.
-        "unfused_layers": (None, None),
-        "beam_unfused_layers": (None, None),
         "beam": (None, None),
         "beam_pallas_attention": ("pallas", None),
         "pallas_attention": ("pallas", None),
@@ -308,17 +304,13 @@ def main() -> None:
     rows_out = []
     beam_rows = rows * plan.num_beams
     beam_state = partial(state_fn, beam_rows)
-    from spark_jax.models import nllb
-
     for name, (attention, options) in variants.items():
         hlo = "nllb_step_hlo" if name == "default" else ""
-        nllb.FUSED_DECODE_LAYERS = "unfused_layers" not in name
         if name.startswith("beam"):  # rows x beams, top-(2 x beams) of the log-softmax
             width = 2 * plan.num_beams
             r = time_variant(model, beam_state, beam_rows, steps, attention, None, "", width)
         else:
             r = time_variant(model, state_fn, rows, steps, attention, options, hlo)
-        nllb.FUSED_DECODE_LAYERS = True
         results[name] = r
         if "error" in r:
             rows_out.append([name, None, None, None, None, r["error"][:60]])

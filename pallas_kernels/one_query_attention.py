@@ -105,7 +105,6 @@ def one_query_attention(
     heads_per_program: int = 4,
     block_keys: int = 16,
     num_warps: int = 4,
-    packed: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """q [B,1,N,H] against ``lengths[b]`` cached keys of k/v_cache [B,S,N,H]: (out, k, v).
@@ -114,15 +113,9 @@ def one_query_attention(
     ``lengths[b]`` (dropped where that is past the cache): returns the updated caches, which
     donate their buffers (update them in place). Without, the caches come back as None.
     ``row_table`` int32[B, S]: the cache row to read each position of row b from (beam search).
-    ``packed``: q is [B,1,3N,H], the query, new key and new value heads of one projection
-    (k_new/v_new stay None): each program reads its heads of the three in place, no split.
     """
-    b, _, n, h = k_cache.shape[0], 1, k_cache.shape[2], k_cache.shape[3]
+    b, _, n, h = q.shape
     s = k_cache.shape[1]
-    if packed:
-        if k_new is not None or v_new is not None or q.shape[2] != 3 * n:
-            raise ValueError("packed=True takes q as [B, 1, 3N, H] and no k_new / v_new.")
-        k_new = v_new = q
     append = k_new is not None
     g = min(heads_per_program, n)
     keys_per_block = min(block_keys, s)
@@ -132,18 +125,17 @@ def one_query_attention(
             f"the {s} cache positions; pick divisors."
         )
     scale = h**-0.5 if scale is None else scale
-    heads = lambda offset=0: pl.BlockSpec((None, None, g, h), lambda i, j: (i, 0, j + offset, 0))
+    heads = lambda: pl.BlockSpec((None, None, g, h), lambda i, j: (i, 0, j, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
     table = row_table if row_table is not None else jnp.zeros((1, 1), jnp.int32)
     inputs = [lengths.astype(jnp.int32), table, q, k_cache, v_cache]
     in_specs = [whole(inputs[0]), whole(table), heads(), whole(k_cache), whole(v_cache)]
-    out_shape = [jax.ShapeDtypeStruct((b, 1, n, h), q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [heads()]
     aliases = {}
     if append:
         inputs += [k_new, v_new]
-        offsets = (n // g, 2 * n // g) if packed else (0, 0)
-        in_specs += [heads(offsets[0]), heads(offsets[1])]
+        in_specs += [heads(), heads()]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
         out_specs += [whole(k_cache), whole(v_cache)]
         aliases = {3: 1, 4: 2}

@@ -138,71 +138,46 @@ def test_cache_step_attention_is_the_same_step_either_way(with_table):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_nllb_decode_steps_through_the_kernels_match_the_plain_steps(monkeypatch):
-    """NLLB's decode step through our kernels (interpreted): the fused layers (16 rows: the
-    projection kernel's tile) and the modules with the one-query kernel alone, against the
-    plain step, with beam-like reorders between steps, rows moved (no table) or read through
-    the row table."""
+def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
+    """NLLB's decode step with the kernel (interpreted) against the plain step: beam-like
+    reorders between steps, rows moved (no table) or read through the row table."""
     from nllb_fixtures import ours, random_sources, tiny_hf
 
     from spark_jax.models import nllb
 
     runner = ours(tiny_hf(decoder_layers=2))
-    rows = 16
-    sources = random_sources(5, rows, max_len=12)
+    sources = random_sources(5, 4, max_len=12)
     step = lambda: jax.jit(nllb.decode.__wrapped__, static_argnames="config")
-    # Rows follow another row of their group of 4 (beams of one request), or keep their own.
-    source_rows = jnp.asarray([4 * (r // 4) + (r * 3 + 1) % 4 for r in range(rows)], jnp.int32)
+    source_rows = jnp.asarray([1, 1, 3, 2], jnp.int32)  # rows 0-1 follow row 1, 2-3 swap
     runs = {}
-    for name, row_table, forced, fused in [
-        ("moved", False, None, True),
-        ("table", True, None, True),
-        ("table_fused", True, "pallas", True),
-        ("moved_fused", False, "pallas", True),
-        ("table_kernel", True, "pallas", False),
+    for name, row_table, forced in [
+        ("moved", False, None),
+        ("table", True, None),
+        ("table_kernel", True, "pallas"),
+        ("moved_kernel", False, "pallas"),
     ]:
-        monkeypatch.setattr(nllb, "FUSED_DECODE_LAYERS", fused)
-        state = runner.init_state(rows, 16, 16, row_table=row_table)
-        logits, state = runner.prefill(state, range(rows), sources)
+        state = runner.init_state(4, 16, 16, row_table=row_table)
+        logits, state = runner.prefill(state, range(4), sources)
         with att.forced_implementation(forced):
             decode = step()
             outs = []
             for _ in range(4):
                 tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                active = jnp.ones(rows, bool)
-                logits, state = decode(runner.params, runner.config, tokens, active, state)
+                logits, state = decode(
+                    runner.params, runner.config, tokens, jnp.ones(4, bool), state
+                )
                 outs.append(np.asarray(logits))
                 state = state.gather_rows(source_rows, False)
         runs[name] = np.stack(outs)
-    for name in ("table", "table_fused", "moved_fused", "table_kernel"):
+    for name in ("table", "table_kernel", "moved_kernel"):
         assert _relative_error(runs[name], runs["moved"]) <= 1e-5, name
-
-
-def test_fused_layers_are_picked_only_where_the_kernels_apply(monkeypatch):
-    from nllb_fixtures import ours, tiny_hf
-
-    from spark_jax.models import nllb
-
-    runner = ours(tiny_hf(decoder_layers=1))
-    params = runner.params["decoder_layers_0"]
-    heads = runner.config.decoder_attention_heads
-    cache = (jnp.zeros((16, 16, heads, 8)),) * 2
-    x = jnp.zeros((16, 32))
-    with att.forced_implementation("pallas"):
-        assert nllb.fused_decode_picked(params, x, cache, cache, heads)
-        assert not nllb.fused_decode_picked(params, x[:8], cache, cache, heads)  # 8 rows
-        monkeypatch.setattr(nllb, "FUSED_DECODE_LAYERS", False)
-        assert not nllb.fused_decode_picked(params, x, cache, cache, heads)
-    monkeypatch.setattr(nllb, "FUSED_DECODE_LAYERS", True)
-    assert not nllb.fused_decode_picked(params, x, cache, cache, heads)  # fp32: never by default
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
-    """bf16, NLLB-like shapes (16 heads of 64, 16 rows): the default GPU step (fused decode
-    layers: our projection and one-query kernels) against the plain one (XLA attention,
-    LayerNorm and GEMMs), rows read through a row
+    """bf16, NLLB-like shapes (16 heads of 64): the default GPU step (one-query kernel, our
+    LayerNorm) against the plain one (XLA attention and LayerNorm), rows read through a row
     table and reordered between steps, both fed the same tokens: logits within bf16 rounding,
     the same argmax except near-ties (top-2 gap < 1e-2)."""
     from spark_jax import layers
@@ -226,21 +201,20 @@ def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
     params = nllb.init_params(config, jax.random.key(0), jnp.bfloat16)
     runner = nllb.NllbRunner(config, params, {"fra_Latn": 500}, "fra_Latn")
     rng = np.random.default_rng(0)
-    rows = 16  # the fused layers' tile: the default step is our kernels only
-    sources = [[4, *rng.integers(5, 400, n).tolist(), 2] for n in rng.integers(3, 30, rows)]
-    source_rows = jnp.asarray([4 * (r // 4) + (r * 3 + 1) % 4 for r in range(rows)], jnp.int32)
+    sources = [[4, *rng.integers(5, 400, n).tolist(), 2] for n in (5, 20, 11, 30)]
+    source_rows = jnp.asarray([1, 1, 3, 2], jnp.int32)
     runs, fed = {}, []  # both runs are fed the plain run's picks: a near-tie cannot cascade
     for name, forced, pallas_norm in [("plain", "xla", False), ("default", None, True)]:
         monkeypatch.setattr(layers, "PALLAS_LAYER_NORM", pallas_norm)
         jax.clear_caches()
         with att.forced_implementation(forced):
-            state = runner.init_state(rows, 32, 32, row_table=True)
-            logits, state = runner.prefill(state, range(rows), sources)
+            state = runner.init_state(4, 32, 32, row_table=True)
+            logits, state = runner.prefill(state, range(4), sources)
             outs = []
             for step in range(6):
                 if name == "plain":
                     fed.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-                logits, state = runner.decode(state, fed[step], jnp.ones(rows, bool))
+                logits, state = runner.decode(state, fed[step], jnp.ones(4, bool))
                 outs.append(np.asarray(logits, np.float32))
                 state = state.gather_rows(source_rows, False)
         runs[name] = np.stack(outs)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention, cache_step_attention, one_query_picked
+from spark_jax.attention import AttentionMask, attention, cache_step_attention
 from spark_jax.config import NllbConfig
 from spark_jax.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
@@ -327,83 +327,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.ffn_norm(x), scope(lora, "mlp")), kv
 
 
-# A one-token decode step's layers as 8 GPU kernels each (``fused_decoder_layer``); False keeps
-# the modules' path (XLA's GEMMs, ~17 kernels a layer) everywhere.
-FUSED_DECODE_LAYERS = True
-
-
-def fused_decode_picked(
-    params: dict[str, Any], x: jax.Array, kv: tuple, cross_kv: tuple, num_heads: int
-) -> bool:
-    """True where ``fused_decoder_layer`` takes the step: ``FUSED_DECODE_LAYERS``, rows x [B, D]
-    and every projection (a layer's ``params``) the projection kernel takes
-    (``decode_linear_applies``: a kernel with fused adapter columns does not), and caches the
-    one-query kernel takes in this dispatch (``attention.one_query_picked``: the GPU default,
-    or forced)."""
-    from pallas_kernels.decode_linear import decode_linear_applies
-
-    if not FUSED_DECODE_LAYERS or x.ndim != 2:
-        return False
-    b, d = x.shape
-    kernel = lambda block, name: params[block][name]["kernel"]
-    ffn = kernel("mlp", "fc1").shape[1]
-    shapes = [
-        (kernel("self_attn", "qkv_proj"), (d, 3 * d)),
-        (kernel("self_attn", "out_proj"), (d, d)),
-        (kernel("cross_attn", "q_proj"), (d, d)),
-        (kernel("cross_attn", "out_proj"), (d, d)),
-        (kernel("mlp", "fc1"), (d, ffn)),
-        (kernel("mlp", "fc2"), (ffn, d)),
-    ]
-    q = x.reshape(b, 1, num_heads, d // num_heads)
-    return (
-        all(w.shape == shape for w, shape in shapes)
-        and decode_linear_applies(x, shapes[0][0])
-        and decode_linear_applies(jnp.zeros((b, ffn), x.dtype), shapes[-1][0])
-        and one_query_picked(q, kv[0], None)
-        and one_query_picked(q, cross_kv[0], None)
-    )
-
-
-def fused_decoder_layer(
-    params: dict[str, Any],
-    x: jax.Array,
-    kv: tuple[jax.Array, jax.Array],
-    cross_kv: tuple[jax.Array, jax.Array],
-    lengths: jax.Array,
-    source_lengths: jax.Array,
-    row_table: jax.Array | None,
-    eps: float,
-    num_heads: int,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """``DecoderLayer`` for one token per row, x [B, 1, D], in 8 kernels: each projection with
-    the LayerNorm before it or the residual add after it (``pallas_kernels/decode_linear.py``),
-    and the two one-query attentions (the self-attention writing its new key and value, read
-    in place from the qkv projection). The same math and roundings as the modules' path
-    (tests compare them); the step is launch-bound, so 17 kernels a layer -> 8 is the gain."""
-    from pallas_kernels.decode_linear import decode_linear
-    from pallas_kernels.one_query_attention import one_query_attention
-
-    b, _, d = x.shape
-    head_dim = d // num_heads
-    interpret = jax.default_backend() != "gpu"
-    linear = partial(decode_linear, eps=eps, interpret=interpret)
-    attend = partial(one_query_attention, interpret=interpret)
-    norm = lambda name: (params[name]["scale"], params[name]["bias"])
-    proj = lambda block, name: (params[block][name]["kernel"], params[block][name]["bias"])
-    x = x[:, 0]
-    qkv = linear(x, *proj("self_attn", "qkv_proj"), norm=norm("self_attn_norm"))
-    packed = qkv.reshape(b, 1, 3 * num_heads, head_dim)
-    out, k_cache, v_cache = attend(packed, *kv, lengths, row_table=row_table, packed=True)
-    x = linear(out.reshape(b, d), *proj("self_attn", "out_proj"), residual=x)
-    q = linear(x, *proj("cross_attn", "q_proj"), norm=norm("cross_attn_norm"))
-    out = attend(q.reshape(b, 1, num_heads, head_dim), *cross_kv, source_lengths)[0]
-    x = linear(out.reshape(b, d), *proj("cross_attn", "out_proj"), residual=x)
-    hidden = linear(x, *proj("mlp", "fc1"), norm=norm("ffn_norm"), relu=True)
-    x = linear(hidden, *proj("mlp", "fc2"), residual=x)
-    return x[:, None], (k_cache, v_cache)
-
-
 class Nllb(nn.Module):
     """The encoder and decoder stacks around one shared embedding; methods are the phases."""
 
@@ -471,35 +394,7 @@ class Nllb(nn.Module):
         cross_mask = AttentionMask(jnp.zeros_like(tokens), source_lengths, causal=False)
         new_cache = []
         layers = zip(self.decoder_layers, cache, cross_kv, strict=True)
-        fused = (
-            not self.is_initializing()
-            and tokens.shape[1] == 1
-            and slots is None
-            and lora is None
-            and not fresh
-            and fused_decode_picked(
-                self.decoder_layers[0].variables["params"],
-                x[:, 0],
-                cache[0],
-                cross_kv[0],
-                c.decoder_attention_heads,
-            )
-        )
         for i, (layer, kv, layer_cross) in enumerate(layers):
-            if fused:
-                x, kv = fused_decoder_layer(
-                    layer.variables["params"],
-                    x,
-                    kv,
-                    layer_cross,
-                    starts,
-                    source_lengths,
-                    row_table,
-                    c.layer_norm_eps,
-                    c.decoder_attention_heads,
-                )
-                new_cache.append(kv)
-                continue
             layer_lora = scope(lora, f"decoder_layers_{i}")
             x, kv = layer(
                 x,
