@@ -1,10 +1,13 @@
-"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, our flash
+"""Attention dispatch: the jnp reference (any backend), cuDNN for decode on GPU, our one-query
+kernel for an MHA decode step over a short cache on GPU (``one_query_picked``), our flash
 kernel for prefill on Hopper (``FLASH_PREFILL_BY_DEFAULT``), and our decode kernels on request.
 
 Every caller describes what it wants with an ``AttentionMask`` of positions and lengths; the
 mask itself is built here, once, so the model files never build masks by hand. Models attend
 over their cache with ``cache_attention``: on the GPU a decode step over a paged cache reads
 the pages in place (cuDNN's paged attention); elsewhere the rows are read out first.
+``cache_step_attention`` writes the step's keys first (in the one-query kernel itself where
+it runs) and can read rows through a row table (beam search).
 
 Axes: B batch, T query length, S key length, N query heads, K kv heads, G = N / K, H head dim.
 """
