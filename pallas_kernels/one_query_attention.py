@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spark_jax.attention import AttentionMask, reference_attention
+from spark_jax.kv_cache import read_through
 
 _MASKED = -1e30  # finite: a block with no visible key leaves the running max untouched
 
@@ -71,10 +72,9 @@ def one_query_attention_reference(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """The jnp reference of ``one_query_attention``: the same contract, built from
     ``reference_attention`` over the cache rows the table names (the new key appended)."""
-    b, s = k_cache.shape[:2]
+    b = k_cache.shape[0]
     if row_table is not None:
-        positions = jnp.arange(s)[None, :]
-        keys, values = k_cache[row_table, positions], v_cache[row_table, positions]
+        keys, values = read_through(k_cache, row_table), read_through(v_cache, row_table)
     else:
         keys, values = k_cache, v_cache
     if k_new is None:
