@@ -232,8 +232,8 @@ class SelfAttention(nn.Module):
             cache = tuple(cache)
         else:
             if cache is not None:
-                new = zip(cache, (k, v), strict=True)
-                cache = tuple(write_kv(c, x, slots, cache_positions) for c, x in new)
+                pairs = zip(cache, (k, v), strict=True)
+                cache = tuple(write_kv(buf, new, slots, cache_positions) for buf, new in pairs)
             out = attention(q, k, v, mask)
         out = _merge_heads(out)
         out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
