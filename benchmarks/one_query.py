@@ -154,6 +154,13 @@ def variants(interpret: bool) -> dict[str, tuple[Callable[..., Any], str]]:
         "oneq_g16_l16": (kernel(heads_per_program=16, block_keys=16), ""),
         "oneq_g4_l32": (kernel(heads_per_program=4, block_keys=32), ""),
         "oneq_g1_l32": (kernel(heads_per_program=1, block_keys=32), ""),
+        "oneq_g4_l64": (kernel(heads_per_program=4, block_keys=64), ""),
+        "oneq_g2_l64": (kernel(heads_per_program=2, block_keys=64), ""),
+        "oneq_g2_l64_w2": (kernel(heads_per_program=2, block_keys=64, num_warps=2), ""),
+        "oneq_g1_l64_w2": (kernel(heads_per_program=1, block_keys=64, num_warps=2), ""),
+        "oneq_g2_l32": (kernel(heads_per_program=2, block_keys=32), ""),
+        "oneq_g4_l16_s2": (kernel(heads_per_program=4, block_keys=16, num_stages=2), ""),
+        "oneq_g2_l32_s2": (kernel(heads_per_program=2, block_keys=32, num_stages=2), ""),
         "xla_reorder": (_xla_like(reference_attention), "gather"),
         "oneq_g4_l16_reorder": (kernel(heads_per_program=4, block_keys=16), "gather"),
         "oneq_g4_l16_table": (kernel(heads_per_program=4, block_keys=16), "table"),
@@ -201,6 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (interpret mode)")
     parser.add_argument("--variants", default="", help="comma list of variant names (all)")
+    parser.add_argument("--cases", default="greedy,beam", help="greedy (32 rows), beam (128)")
     args = parser.parse_args()
     shape = TINY if args.tiny else FULL
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -209,7 +217,8 @@ def main() -> None:
     read = read_bandwidth() if ON_GPU else None
     out: dict[str, Any] = {"device": jax.devices()[0].device_kind, "read_bytes_per_s": read}
     rows_of = {"greedy": 8 if args.tiny else 32, "beam": 16 if args.tiny else 128}
-    for label, rows in rows_of.items():
+    for label in args.cases.split(","):
+        rows = rows_of[label]
         results = run(shape, rows, dtype, steps, names)
         kv = 2 * shape["layers"] * rows * shape["heads"] * shape["head_dim"] * 2
         step_bytes = kv * (shape["length"] + shape["src"])

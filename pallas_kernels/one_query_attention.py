@@ -32,6 +32,7 @@ block.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -102,9 +103,10 @@ def one_query_attention(
     row_table: jax.Array | None = None,
     scale: float | None = None,
     *,
-    heads_per_program: int = 4,
-    block_keys: int = 16,
+    heads_per_program: int = 2,
+    block_keys: int = 64,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """q [B,1,N,H] against ``lengths[b]`` cached keys of k/v_cache [B,S,N,H]: (out, k, v).
@@ -113,17 +115,17 @@ def one_query_attention(
     ``lengths[b]`` (dropped where that is past the cache): returns the updated caches, which
     donate their buffers (update them in place). Without, the caches come back as None.
     ``row_table`` int32[B, S]: the cache row to read each position of row b from (beam search).
+    Tunings: a program takes the most heads up to ``heads_per_program`` that divide N, and
+    walks blocks of up to ``block_keys`` keys that divide S. The defaults were the fastest for
+    NLLB-600M's greedy step on the H200 (BENCHMARKS.md, run b5 of the sixth session).
     """
     b, _, n, h = q.shape
     s = k_cache.shape[1]
     append = k_new is not None
-    g = min(heads_per_program, n)
+    g = math.gcd(heads_per_program, n)  # the most heads up to the tuning that divide N
     keys_per_block = min(block_keys, s)
-    if n % g or s % keys_per_block:
-        raise ValueError(
-            f"heads_per_program={g} must divide the {n} heads and block_keys={keys_per_block} "
-            f"the {s} cache positions; pick divisors."
-        )
+    while s % keys_per_block:  # halve down to a divisor of S (S is a multiple of 16)
+        keys_per_block //= 2
     scale = h**-0.5 if scale is None else scale
     heads = lambda: pl.BlockSpec((None, None, g, h), lambda i, j: (i, 0, j, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
@@ -151,7 +153,7 @@ def one_query_attention(
     if not interpret:
         from jax.experimental.pallas import triton as plt
 
-        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -202,17 +204,19 @@ def _kernel(
         running_sum = jnp.zeros((heads_per_program,), jnp.float32)
         acc = jnp.zeros(q.shape, jnp.float32)
 
-    def step(i, carry):
-        running_max, running_sum, acc = carry
-        start = i * block_keys
-        positions = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
+    def load(start):
+        """Keys and values [L, G, H] of positions start .. start + L (through the table)."""
         if indirect:
+            positions = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
             rows = table_ref[row, pl.ds(start, block_keys)]  # [L]
-            keys = k_ref[rows, positions, heads, :]  # a gather: [L, G, H]
-            values = v_ref[rows, positions, heads, :]
-        else:
-            keys = k_ref[row, pl.ds(start, block_keys), heads, :]  # [L, G, H]
-            values = v_ref[row, pl.ds(start, block_keys), heads, :]
+            return k_ref[rows, positions, heads, :], v_ref[rows, positions, heads, :]  # gathers
+        keys = k_ref[row, pl.ds(start, block_keys), heads, :]
+        return keys, v_ref[row, pl.ds(start, block_keys), heads, :]
+
+    def attend(start, keys, values, carry):
+        """The online softmax over one block of keys."""
+        running_max, running_sum, acc = carry
+        positions = start + lax.broadcasted_iota(jnp.int32, (block_keys,), 0)
         scores = jnp.sum(keys.astype(jnp.float32) * q[None], axis=-1)  # [L, G]
         visible = (positions < length)[:, None]
         scores = jnp.where(visible, scores, _MASKED)
@@ -225,9 +229,12 @@ def _kernel(
         )
         return new_max, running_sum, acc
 
+    # The first block is read whatever the length (its loads need not wait for it: a short
+    # row's whole walk is then one memory round trip); the rest only up to the length.
+    carry = attend(0, *load(0), (running_max, running_sum, acc))
     num_blocks = jnp.minimum((length + block_keys - 1) // block_keys, num_positions // block_keys)
     running_max, running_sum, acc = lax.fori_loop(
-        0, num_blocks, step, (running_max, running_sum, acc)
+        1, num_blocks, lambda i, c: attend(i * block_keys, *load(i * block_keys), c), carry
     )
     out = acc / jnp.maximum(running_sum, 1e-30)[:, None]
     o_ref[...] = out.astype(o_ref.dtype)

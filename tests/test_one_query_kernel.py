@@ -82,10 +82,15 @@ def test_kernel_matches_its_reference(
         assert out[1] is None and out[2] is None
 
 
-def test_kernel_refuses_tunings_that_do_not_divide_the_shape():
-    q, k, v, *_ = _inputs(1, 2, 48, 6, 16, jnp.float32)
-    with pytest.raises(ValueError, match="heads_per_program=4 must divide the 6 heads"):
-        oq.one_query_attention(q, k, v, jnp.asarray([3, 4]), heads_per_program=4, interpret=True)
+def test_tunings_that_do_not_divide_the_shape_fall_back_to_divisors():
+    # 6 heads, 4 a program -> 2; 80 positions, 64-key blocks -> 16 (lengths past 64 included).
+    q, k, v, *_ = _inputs(1, 2, 80, 6, 16, jnp.float32)
+    lengths = jnp.asarray([3, 71])
+    out = oq.one_query_attention(
+        q, k, v, lengths, heads_per_program=4, block_keys=64, interpret=True
+    )[0]
+    ref = oq.one_query_attention_reference(q, k, v, lengths)[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_applies_only_to_one_query_mha_steps():
