@@ -548,14 +548,17 @@ def _decode_chunk(
     ``num_steps``.
     """
     b = carry.tokens.shape[0]
-    top_n = MAX_LOGPROBS if want_logprobs else 1
-    empty = _Chunk(
-        jnp.zeros((b, num_steps), jnp.int32),
-        jnp.zeros((b, num_steps), jnp.float32),
-        jnp.zeros((b, num_steps, top_n), jnp.float32),
-        jnp.zeros((b, num_steps, top_n), jnp.int32),
-        jnp.zeros((b, num_steps), bool),
-    )
+    steps = lambda *shape, dtype: jnp.zeros((b, num_steps, *shape), dtype)
+    # The logprob fields only when a row reads them: in the loop each is one more small
+    # kernel a step, and a step of a small model is a few hundred kernels at launch latency.
+    logprob_fields = (None, None, None)
+    if want_logprobs:
+        logprob_fields = (
+            steps(dtype=jnp.float32),
+            steps(MAX_LOGPROBS, dtype=jnp.float32),
+            steps(MAX_LOGPROBS, dtype=jnp.int32),
+        )
+    empty = _Chunk(steps(dtype=jnp.int32), *logprob_fields, steps(dtype=bool))
 
     def cond(loop):
         i, c, _ = loop
@@ -567,10 +570,7 @@ def _decode_chunk(
         i, c, out = loop
         logits, state = decode_fn(params, c.tokens, c.active, c.state, lora)
         if greedy:
-            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            picked = SampleOutput(
-                tokens, out.logprobs[:, 0], out.top_logprobs[:, 0], out.top_ids[:, 0]
-            )
+            picked = _argmax_output(logits)
             counts = c.counts
         else:
             picked = sample(logits, batch, c.counts, prompt_mask, c.num_generated)
@@ -578,13 +578,14 @@ def _decode_chunk(
         tokens = jnp.where(c.active, picked.tokens, c.tokens)
         num_generated = c.num_generated + c.active.astype(jnp.int32)
         done = _device_done(tokens, num_generated, batch, max_tokens)
-        out = _Chunk(
-            out.tokens.at[:, i].set(tokens),
-            out.logprobs.at[:, i].set(picked.logprobs),
-            out.top_logprobs.at[:, i].set(picked.top_logprobs[:, :top_n]),
-            out.top_ids.at[:, i].set(picked.top_ids[:, :top_n]),
-            out.valid.at[:, i].set(c.active),
-        )
+        fields = (out.logprobs, out.top_logprobs, out.top_ids)  # None without logprobs
+        if want_logprobs:
+            fields = (
+                out.logprobs.at[:, i].set(picked.logprobs),
+                out.top_logprobs.at[:, i].set(picked.top_logprobs),
+                out.top_ids.at[:, i].set(picked.top_ids),
+            )
+        out = _Chunk(out.tokens.at[:, i].set(tokens), *fields, out.valid.at[:, i].set(c.active))
         c = _Carry(state, tokens, c.active & ~done, counts, num_generated)
         return i + 1, c, out
 
