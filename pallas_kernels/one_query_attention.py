@@ -107,6 +107,7 @@ def one_query_attention(
     block_keys: int = 64,
     num_warps: int = 4,
     num_stages: int = 1,
+    packed: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """q [B,1,N,H] against ``lengths[b]`` cached keys of k/v_cache [B,S,N,H]: (out, k, v).
@@ -115,29 +116,39 @@ def one_query_attention(
     ``lengths[b]`` (dropped where that is past the cache): returns the updated caches, which
     donate their buffers (update them in place). Without, the caches come back as None.
     ``row_table`` int32[B, S]: the cache row to read each position of row b from (beam search).
+    ``packed``: q is [B,1,3N,H], the queries, new keys and new values side by side (a fused
+    qkv projection's output split into heads), read in place by offset: no slice kernel before
+    this one (``k_new``/``v_new`` are then not given; the new key is appended).
     Tunings: a program takes the most heads up to ``heads_per_program`` that divide N, and
     walks blocks of up to ``block_keys`` keys that divide S. The defaults were the fastest for
     NLLB-600M's greedy step on the H200 (BENCHMARKS.md, run b5 of the sixth session).
     """
     b, _, n, h = q.shape
+    if packed:
+        if k_new is not None or v_new is not None:
+            raise ValueError("packed q already holds the new keys and values; pass no k_new/v_new.")
+        n //= 3
     s = k_cache.shape[1]
-    append = k_new is not None
+    append = packed or k_new is not None
     g = math.gcd(heads_per_program, n)  # the most heads up to the tuning that divide N
     keys_per_block = min(block_keys, s)
     while s % keys_per_block:  # halve down to a divisor of S (S is a multiple of 16)
         keys_per_block //= 2
     scale = h**-0.5 if scale is None else scale
-    heads = lambda: pl.BlockSpec((None, None, g, h), lambda i, j: (i, 0, j, 0))
+    # Block j of g heads; ``part`` 1 and 2 of a packed q are its new keys and values.
+    heads = lambda part=0: pl.BlockSpec(
+        (None, None, g, h), lambda i, j: (i, 0, j + part * (n // g), 0)
+    )
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
     table = row_table if row_table is not None else jnp.zeros((1, 1), jnp.int32)
     inputs = [lengths.astype(jnp.int32), table, q, k_cache, v_cache]
     in_specs = [whole(inputs[0]), whole(table), heads(), whole(k_cache), whole(v_cache)]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b, 1, n, h), q.dtype)]
     out_specs = [heads()]
     aliases = {}
     if append:
-        inputs += [k_new, v_new]
-        in_specs += [heads(), heads()]
+        inputs += [q, q] if packed else [k_new, v_new]
+        in_specs += [heads(1), heads(2)] if packed else [heads(), heads()]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)] * 2
         out_specs += [whole(k_cache), whole(v_cache)]
         aliases = {3: 1, 4: 2}

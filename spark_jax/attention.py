@@ -234,6 +234,28 @@ def cache_step_attention(
     return attention(q, keys, values, mask, sliding_window), k_cache, v_cache
 
 
+def packed_cache_step_attention(
+    qkv: jax.Array,
+    k_cache: jax.Array | PagedLayer,
+    v_cache: jax.Array | PagedLayer,
+    slots: jax.Array | None,
+    positions: jax.Array,
+    mask: AttentionMask,
+    row_table: jax.Array | None = None,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, jax.Array | PagedLayer, jax.Array | PagedLayer]:
+    """``cache_step_attention`` of a fused projection's output: qkv [B,T,3N,H] holds the
+    queries, keys and values side by side (MHA). The one-query kernel reads them in place;
+    elsewhere they are split (on the GPU a slice kernel a layer, which the kernel spares)."""
+    q, k, v = jnp.split(qkv, 3, axis=2)
+    dense = not isinstance(k_cache, PagedLayer)
+    if dense and slots is None and one_query_picked(q, k_cache, sliding_window):
+        return _one_query(qkv, k_cache, v_cache, positions[:, 0], None, None, row_table, None, True)
+    return cache_step_attention(
+        q, k, v, k_cache, v_cache, slots, positions, mask, row_table, sliding_window
+    )
+
+
 def cache_attention(
     q: jax.Array,
     k_cache: jax.Array | PagedLayer,
@@ -440,13 +462,22 @@ def one_query_picked(
 
 
 def _one_query(
-    q, k_cache, v_cache, lengths, k_new=None, v_new=None, row_table=None, scale=None
+    q, k_cache, v_cache, lengths, k_new=None, v_new=None, row_table=None, scale=None, packed=False
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     from pallas_kernels.one_query_attention import one_query_attention
 
     interpret = jax.default_backend() != "gpu"
     return one_query_attention(
-        q, k_cache, v_cache, lengths, k_new, v_new, row_table, scale, interpret=interpret
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        k_new,
+        v_new,
+        row_table,
+        scale,
+        packed=packed,
+        interpret=interpret,
     )
 
 

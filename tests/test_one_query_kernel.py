@@ -135,12 +135,18 @@ def test_cache_step_attention_is_the_same_step_either_way(with_table):
         lengths = lengths.at[3].set(16)
         positions, mask = lengths[:, None], att.AttentionMask(lengths[:, None], lengths + 1)
     step = lambda: att.cache_step_attention(q, k, v, k_cache, v_cache, None, positions, mask, table)
-    plain = jax.jit(step)()
+    # The same step from a fused projection's output: q, k, v side by side, read in place.
+    qkv = jnp.concatenate([q, k, v], axis=2)
+    packed = lambda: att.packed_cache_step_attention(
+        qkv, k_cache, v_cache, None, positions, mask, table
+    )
+    plain, plain_packed = jax.jit(step)(), jax.jit(packed)()
     with att.forced_implementation("pallas"):
-        fused = jax.jit(step)()
-    assert _relative_error(fused[0], plain[0]) <= 1e-5
-    for got, want in zip(fused[1:], plain[1:], strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        fused, fused_packed = jax.jit(step)(), jax.jit(packed)()
+    for other in (fused, fused_packed, plain_packed):
+        assert _relative_error(other[0], plain[0]) <= 1e-5
+        for got, want in zip(other[1:], plain[1:], strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention, cache_step_attention
+from spark_jax.attention import AttentionMask, attention, packed_cache_step_attention
 from spark_jax.config import NllbConfig
 from spark_jax.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
@@ -202,7 +202,7 @@ class SelfAttention(nn.Module):
 
     ``fresh``: every row starts at position 0, so it attends to the new keys alone and never
     reads (gathers) its longer cache row. ``row_table``: the cache's (beam search), read
-    through by ``cache_step_attention``.
+    through by ``packed_cache_step_attention``.
     """
 
     d_model: int
@@ -224,13 +224,14 @@ class SelfAttention(nn.Module):
         qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
         )
-        q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
         if cache is not None and not fresh:
-            out, *cache = cache_step_attention(
-                q, k, v, *cache, slots, cache_positions, mask, row_table
+            # [B, T, 3N, H]: queries, keys and values side by side, split where they are read.
+            out, *cache = packed_cache_step_attention(
+                _heads(qkv, 3 * self.num_heads), *cache, slots, cache_positions, mask, row_table
             )
             cache = tuple(cache)
         else:
+            q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
             if cache is not None:
                 pairs = zip(cache, (k, v), strict=True)
                 cache = tuple(write_kv(buf, new, slots, cache_positions) for buf, new in pairs)
