@@ -9,8 +9,6 @@ that never pick EOS, so every row runs all 64 tokens. Variants:
 - ``default``: the engine as it is (chunks of ``engine.STEPS_PER_SYNC`` steps, dispatched one
   ahead of the readback);
 - ``sync16`` / ``sync64``: 16 or 64 steps per device call;
-- ``unfused``: the attention outputs reduced by XLA's split-K and normed apart (before the
-  residual norm kernel, ``layers.FUSED_RESIDUAL_NORM``);
 - ``prefill_graph``: the prefill compiled with the device loops' command buffers (one CUDA
   graph instead of ~500 launches from the host);
 - ``loop_<options>_<exit>``: the decode chunk compiled with other XLA options (``cb``: the
@@ -126,15 +124,11 @@ def decode_chunk_with(options: str) -> Callable[..., Any]:
 @contextmanager
 def variant(name: str) -> Iterator[None]:
     """The engine and model patched for one variant (restored after)."""
-    from spark_jax import engine, layers
+    from spark_jax import engine
     from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
     from spark_jax.models import nllb
 
     saved = engine.STEPS_PER_SYNC, nllb.prefill, engine._decode_chunk, engine.CHUNKS_EXIT_EARLY
-    saved_fused = layers.FUSED_RESIDUAL_NORM
-    if name == "unfused":  # attention outputs reduced by XLA, the norms apart
-        layers.FUSED_RESIDUAL_NORM = False
-        jax.clear_caches()
     if name.startswith("loop_"):
         _, options, exit_rule = name.split("_")
         engine._decode_chunk = decode_chunk_with(options)
@@ -152,9 +146,6 @@ def variant(name: str) -> Iterator[None]:
         yield
     finally:
         engine.STEPS_PER_SYNC, nllb.prefill, engine._decode_chunk, engine.CHUNKS_EXIT_EARLY = saved
-        if layers.FUSED_RESIDUAL_NORM != saved_fused:
-            layers.FUSED_RESIDUAL_NORM = saved_fused
-            jax.clear_caches()
 
 
 def prefill_ms(model: Any, plan: Plan, repeats: int = 7) -> float:
@@ -325,23 +316,21 @@ def main() -> None:
     for name in variants:
         with variant(name):
             prefill = prefill_ms(model, plan)
-            variant_step = step_ms(model, plan) if name == "unfused" else step
-            floor = prefill + (plan.new_tokens - 1) * variant_step
+            floor = prefill + (plan.new_tokens - 1) * step
             r = call_timeline(model, plan, args.repeats)
         r |= {
-            "step_ms": variant_step,
             "prefill_synced_ms": prefill,
             "floor_ms": floor,
             "floor_fraction": floor / r["wall_ms"],
         }
         results[name] = r
-        rows.append([name, r["wall_ms"], variant_step, prefill, floor, r["floor_fraction"]])
+        rows.append([name, r["wall_ms"], prefill, floor, r["floor_fraction"]])
     results["step_ms"] = step
     if args.profile:
         results["profiles"] = loop_profiles(model, plan)
     results["wall_s"] = time.perf_counter() - t0
     emit(results, "nllb_call")
-    print_table(["variant", "call_ms", "step_ms", "prefill_ms", "floor_ms", "floor/call"], rows)
+    print_table(["variant", "call_ms", "prefill_ms", "floor_ms", "floor/call"], rows)
     print(f"step alone {step:.3f} ms")
     for key in results:
         if key.startswith("chunk_"):

@@ -7,7 +7,6 @@ accumulation in matmuls and fp32 norms and rotary arithmetic.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -19,61 +18,8 @@ from spark_jax.lora import LoraBatch, scope
 Dtype = jnp.dtype
 
 
-class UnreducedSum(NamedTuple):
-    """A projection's output before its split-K reduction: fp32 products over ``S`` slices of
-    the inner dim, [S, ..., N], and the bias [N] (or None). A consumer that reduces them
-    itself (``LayerNorm`` with ``add``) spares the reduction kernel XLA would run."""
-
-    partials: jax.Array
-    bias: jax.Array | None
-
-    def total(self) -> jax.Array:
-        """The projection's output in fp32."""
-        out = jnp.sum(self.partials, axis=0)
-        return out if self.bias is None else out + self.bias.astype(jnp.float32)
-
-
-# A decode step's projection feeding a residual add and a LayerNorm (NLLB's attention outputs)
-# is computed split-K by hand, its partials summed by ``residual_layer_norm``'s one kernel:
-# XLA would split the same GEMM itself and run the reduction and the norm as two kernels.
-# GPU only (bf16/f16, rows <= FUSED_MAX_ROWS); the split is XLA's own choice for these shapes.
-FUSED_RESIDUAL_NORM = True
-FUSED_MAX_ROWS = 256
-FUSED_SPLIT_K = 8
-
-
-def fused_residual_norm_applies(x: jax.Array, features: int) -> bool:
-    """True where a projection of x [..., K] to ``features`` hands ``UnreducedSum`` partials
-    to the next LayerNorm: on a GPU, half precision, a decode step's few rows, K splittable,
-    and a width the norm kernel takes."""
-    from pallas_kernels.layer_norm import layer_norm_applies
-
-    rows = int(np.prod(x.shape[:-1]))
-    return (
-        FUSED_RESIDUAL_NORM
-        and jax.default_backend() == "gpu"
-        and x.dtype in (jnp.bfloat16, jnp.float16)
-        and rows <= FUSED_MAX_ROWS
-        and x.shape[-1] % (FUSED_SPLIT_K * 16) == 0
-        and layer_norm_applies(jnp.zeros((features,), x.dtype))
-    )
-
-
-def split_k_partials(x: jax.Array, kernel: jax.Array, splits: int) -> jax.Array:
-    """x [..., K] @ kernel [K, N] as fp32 partial products over ``splits`` slices of K:
-    [splits, ..., N] (one batched GEMM; their sum is the product)."""
-    k = x.shape[-1]
-    xs = x.reshape(*x.shape[:-1], splits, k // splits)
-    ws = kernel.reshape(splits, k // splits, kernel.shape[-1])
-    return jnp.einsum("...sk,skn->s...n", xs, ws, preferred_element_type=jnp.float32)
-
-
 class Linear(nn.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] so the converter transposes HF's [out, in].
-
-    ``unreduced=True`` asks for an ``UnreducedSum`` where ``fused_residual_norm_applies`` (no
-    adapters): the caller hands it to ``LayerNorm(add=...)``; elsewhere y as usual.
-    """
+    """y = x @ kernel (+ bias); kernel [in, out] so the converter transposes HF's [out, in]."""
 
     features: int
     use_bias: bool = False
@@ -81,9 +27,7 @@ class Linear(nn.Module):
     out_dtype: Dtype | None = None  # fp32 for logits; default: the parameter dtype
 
     @nn.compact
-    def __call__(
-        self, x: jax.Array, lora: LoraBatch | None = None, unreduced: bool = False
-    ) -> jax.Array | UnreducedSum:
+    def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
         # Once adapters were fused (LoraPool.fuse_into) the stored kernel is [W | a]: one GEMM
         # gives x W and x a. Its width is read from the params, never declared (Flax would
         # refuse the shape), and the output is sliced, not the kernel (no copy of W per step).
@@ -94,14 +38,6 @@ class Linear(nn.Module):
                 "kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype
             )
         out_dtype = self.out_dtype or self.dtype
-        if (
-            unreduced
-            and lora is None
-            and kernel.shape[-1] == self.features
-            and fused_residual_norm_applies(x, self.features)
-        ):
-            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-            return UnreducedSum(split_k_partials(x, kernel, FUSED_SPLIT_K), bias)
         # The GEMM accumulates in fp32 and rounds once to the output dtype. Asking it for fp32
         # and converting after costs a kernel per projection: measured on the H200 (Llama-3-8B
         # shapes, bs=1) 4.87 -> 4.45 ms per decode step.
@@ -184,46 +120,16 @@ def layer_norm_reference(
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with bias, statistics in fp32 (M2M100 / NLLB); see ``layer_norm``.
-
-    With ``add`` (a residual branch's output, or its ``UnreducedSum``): returns
-    ``(x + add, norm(x + add))``, the residual stream and its norm.
-    """
+    """LayerNorm with bias, statistics in fp32 (M2M100 / NLLB); see ``layer_norm``."""
 
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(
-        self, x: jax.Array, add: jax.Array | UnreducedSum | None = None
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        if add is None:
-            return layer_norm(x, scale, bias, self.eps, self.dtype)
-        if isinstance(add, UnreducedSum):
-            return residual_layer_norm(x, add, scale, bias, self.eps, self.dtype)
-        x = x + add
-        return x, layer_norm(x, scale, bias, self.eps, self.dtype)
-
-
-def residual_layer_norm(
-    x: jax.Array, add: UnreducedSum, scale: jax.Array, bias: jax.Array, eps: float, dtype: Dtype
-) -> tuple[jax.Array, jax.Array]:
-    """(x + add's total, its LayerNorm): our one kernel on a GPU, interpreted elsewhere (the
-    CPU sees an ``UnreducedSum`` only when a test forces the fused path)."""
-    from pallas_kernels.layer_norm import residual_layer_norm as kernel
-
-    interpret = jax.default_backend() != "gpu"
-    return kernel(add.partials, add.bias, x, scale, bias, eps, dtype, interpret=interpret)
-
-
-def residual_layer_norm_reference(
-    x: jax.Array, add: UnreducedSum, scale: jax.Array, bias: jax.Array, eps: float, dtype: Dtype
-) -> tuple[jax.Array, jax.Array]:
-    """``residual_layer_norm`` in jnp: the sum rounded once to x's dtype, then the norm."""
-    total = (x.astype(jnp.float32) + add.total()).astype(x.dtype)
-    return total, layer_norm_reference(total, scale, bias, eps, dtype)
+        return layer_norm(x, scale, bias, self.eps, self.dtype)
 
 
 def rotary_angles(positions: jax.Array, inv_freq: Sequence[float]) -> tuple[jax.Array, jax.Array]:

@@ -188,10 +188,9 @@ def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
     """bf16, NLLB-like shapes (16 heads of 64): the default GPU step (one-query kernel, our
-    LayerNorms, split-K attention outputs summed by the residual norm kernel) against the
-    plain one (XLA attention, reductions and LayerNorms), rows read through a row table and
-    reordered between steps, both fed the same tokens: logits within bf16 rounding, the same
-    argmax except near-ties (top-2 gap < 1e-2)."""
+    LayerNorm) against the plain one (XLA attention and LayerNorm), rows read through a row
+    table and reordered between steps, both fed the same tokens: logits within bf16 rounding,
+    the same argmax except near-ties (top-2 gap < 1e-2)."""
     from spark_jax import layers
     from spark_jax.config import config_from_hf
     from spark_jax.models import nllb
@@ -218,7 +217,6 @@ def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
     runs, fed = {}, []  # both runs are fed the plain run's picks: a near-tie cannot cascade
     for name, forced, pallas_norm in [("plain", "xla", False), ("default", None, True)]:
         monkeypatch.setattr(layers, "PALLAS_LAYER_NORM", pallas_norm)
-        monkeypatch.setattr(layers, "FUSED_RESIDUAL_NORM", pallas_norm)
         jax.clear_caches()
         with att.forced_implementation(forced):
             state = runner.init_state(4, 32, 32, row_table=True)

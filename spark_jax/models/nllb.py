@@ -220,7 +220,6 @@ class SelfAttention(nn.Module):
         lora=None,
         fresh=False,
         row_table=None,
-        unreduced=False,
     ):
         qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
@@ -239,7 +238,7 @@ class SelfAttention(nn.Module):
             out = attention(q, k, v, mask)
         out = _merge_heads(out)
         out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
-        return out_proj(out, scope(lora, "out_proj"), unreduced), cache
+        return out_proj(out, scope(lora, "out_proj")), cache
 
 
 class CrossAttention(nn.Module):
@@ -261,10 +260,10 @@ class CrossAttention(nn.Module):
         k, v = jnp.split(self.kv_proj(encoder_hidden, scope(lora, "kv_proj")), 2, axis=-1)
         return _heads(k, self.num_heads), _heads(v, self.num_heads)
 
-    def __call__(self, x, k, v, mask, lora=None, unreduced=False):
+    def __call__(self, x, k, v, mask, lora=None):
         q = _heads(self.q_proj(x, scope(lora, "q_proj")), self.num_heads)
         out = _merge_heads(attention(q, k, v, mask))
-        return self.out_proj(out, scope(lora, "out_proj"), unreduced)
+        return self.out_proj(out, scope(lora, "out_proj"))
 
 
 class ReluMLP(nn.Module):
@@ -313,8 +312,6 @@ class DecoderLayer(nn.Module):
     ):
         """kv: this layer's (k, v) cache buffers; cross_kv: (k, v) [B, S_src, N, H] to read;
         table: the cache's row table (or None)."""
-        # The attention outputs may come unreduced (split-K partials, a decode step on the GPU):
-        # the next norm then sums them with the residual in its own kernel.
         h, kv = self.self_attn(
             self.self_attn_norm(x),
             self_mask,
@@ -324,13 +321,11 @@ class DecoderLayer(nn.Module):
             scope(lora, "self_attn"),
             fresh,
             table,
-            unreduced=True,
         )
-        x, normed = self.cross_attn_norm(x, add=h)
+        x = x + h
         cross_lora = scope(lora, "cross_attn")
-        h = self.cross_attn(normed, *cross_kv, cross_mask, cross_lora, unreduced=True)
-        x, normed = self.ffn_norm(x, add=h)
-        return x + self.mlp(normed, scope(lora, "mlp")), kv
+        x = x + self.cross_attn(self.cross_attn_norm(x), *cross_kv, cross_mask, cross_lora)
+        return x + self.mlp(self.ffn_norm(x), scope(lora, "mlp")), kv
 
 
 class Nllb(nn.Module):
