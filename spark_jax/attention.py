@@ -245,8 +245,9 @@ def packed_cache_step_attention(
     sliding_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array | PagedLayer, jax.Array | PagedLayer]:
     """``cache_step_attention`` of a fused projection's output: qkv [B,T,3N,H] holds the
-    queries, keys and values side by side (MHA). The one-query kernel reads them in place;
-    elsewhere they are split (on the GPU a slice kernel a layer, which the kernel spares)."""
+    queries, keys and values side by side (MHA). The one-query kernel reads them in place,
+    elsewhere they are split. (On the H200 this did not cut a kernel: the split-K reduction
+    that wrote the three slices now writes qkv with its bias; run b6 in BENCHMARKS.md.)"""
     q, k, v = jnp.split(qkv, 3, axis=2)
     dense = not isinstance(k_cache, PagedLayer)
     if dense and slots is None and one_query_picked(q, k_cache, sliding_window):
