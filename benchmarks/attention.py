@@ -13,6 +13,9 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
 - ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU): the flash
   kernel for prefill (``_s3``: 3 K/V stages, ``_k128``: 128-key blocks) and the split-K
   kernel for decode (``_c128`` / ``_c64``: keys per program),
+- ``pallas_ws<C>_k<L>_s<stages>`` the flash kernel with its warpgroups specialised: a
+  producer issuing the K/V copies and C consumers of 64 query rows each (``consumers``),
+  L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -29,6 +32,12 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   FA3 (``attention_mgpu``, GPU only; it applies no softmax scale, so its timing includes
   scaling q).
 
+- ``torch_sdpa`` (GPU only, in a process of its own): PyTorch's
+  ``scaled_dot_product_attention`` on the same shapes, by default (``enable_gqa``) and with
+  K/V heads repeated under each backend (cuDNN, flash, memory-efficient), each checked
+  against torch's fp32 math on the same inputs; ``best`` is the fastest correct one (the
+  figure ../shared/DESIGN.md quotes as "torch SDPA").
+
 A peer that fails records its error instead of a figure. ``--tiny`` runs fp32 with the
 Pallas kernels in interpret mode: its timings mean nothing, its checks do.
 Results: one JSON line on stdout (and $OUT/attention.json) and a table.
@@ -37,6 +46,11 @@ Results: one JSON line on stdout (and $OUT/attention.json) and a table.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -133,6 +147,16 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas_flash_s3": partial(
                 _pallas_flash_decode, interpret=not ON_GPU, block_k=64, stages=3
             ),
+            **{
+                f"pallas_flash_ws_k{keys}_s{stages}": partial(
+                    _pallas_flash_decode,
+                    interpret=not ON_GPU,
+                    block_k=keys,
+                    stages=stages,
+                    consumers=1,
+                )
+                for keys, stages in ((128, 2), (128, 3), (64, 4), (64, 6))
+            },
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "pallas_paged_flash": _paged(case, partial(_pallas_paged_flash, interpret=not ON_GPU)),
@@ -145,6 +169,16 @@ def implementations(case: Case) -> dict[str, Impl | None]:
         "pallas": partial(_pallas_prefill, interpret=not ON_GPU),
         "pallas_s3": partial(_pallas_prefill, interpret=not ON_GPU, stages=3),
         "pallas_k128": partial(_pallas_prefill, interpret=not ON_GPU, block_k=128),
+        **{
+            f"pallas_ws{consumers}_k{keys}_s{stages}": partial(
+                _pallas_prefill,
+                interpret=not ON_GPU,
+                block_k=keys,
+                stages=stages,
+                consumers=consumers,
+            )
+            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3), (2, 64, 4), (1, 128, 3))
+        },
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,
         "triton_mha": partial(_triton_mha, scale=scale),
@@ -261,6 +295,83 @@ def _mosaic_fa3(q, k, v, lengths) -> jax.Array:
 # Check and time.
 
 
+def torch_sdpa(cases: list[Case], iters: int) -> dict[str, Any]:
+    """PyTorch's SDPA on the cases (run in a child process: torch and JAX keep apart)."""
+    import torch
+
+    results: dict[str, Any] = {"torch": torch.__version__}
+    for case in cases:
+        results[case.name] = _torch_case(case, iters)
+        torch.cuda.empty_cache()
+    return results
+
+
+def _torch_case(case: Case, iters: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.common import torch_median_seconds
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    q = torch.randn(case.b, case.n, case.t, case.h, device="cuda", dtype=dtype, generator=generator)
+    k, v = (
+        torch.randn(case.b, case.kv_heads, case.s, case.h, device="cuda", dtype=dtype) for _ in "kv"
+    )
+    wide_k, wide_v = (x.repeat_interleave(case.n // case.kv_heads, dim=1) for x in (k, v))
+    causal = case.kind == "prefill"  # decode: one query seeing every key
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(
+            q.float(), wide_k.float(), wide_v.float(), is_causal=causal
+        )
+
+    def run(backend: SDPBackend | None) -> torch.Tensor:
+        if backend is None:  # torch's own pick, GQA without repeated heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, wide_k, wide_v, is_causal=causal)
+
+    backends = {
+        "default_gqa": None,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    entries: dict[str, Any] = {}
+    for name, backend in backends.items():
+        try:
+            out = run(backend).float()
+            rel = float((out - ref).norm() / ref.norm())
+            seconds = torch_median_seconds(partial(run, backend), warmup=2, iters=iters)
+            unit = "tflop_s" if case.kind == "prefill" else "tb_s"
+            entries[name] = {
+                "rel_error": rel,
+                "ok": rel <= 1e-2,
+                "us": seconds * 1e6,
+                unit: case.work() / seconds / 1e12,
+            }
+        except Exception as error:  # a backend that refuses the shape records why
+            entries[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    good = {n: e for n, e in entries.items() if e.get("ok")}
+    if good:
+        best = min(good, key=lambda n: good[n]["us"])
+        entries["best"] = {"backend": best, **good[best]}
+    return entries
+
+
+def torch_sdpa_in_subprocess(case_names: list[str], iters: int) -> dict[str, Any]:
+    """``torch_sdpa`` in a child process (``--torch-peer``); its error text on failure."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "torch.json")
+        command = [sys.executable, __file__, "--torch-peer", path, "--iters", str(iters)]
+        command += ["--cases", ",".join(case_names)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            return {"error": proc.stderr[-800:]}
+        return json.loads(open(path).read())
+
+
 def poison_free_memory(nbytes: int) -> None:
     """Fills ``nbytes`` of device memory with NaN and frees it, for the next outputs to reuse."""
     junk = jnp.full((max(nbytes, 4) // 4,), jnp.nan, jnp.float32)
@@ -302,18 +413,27 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (CPU smoke run)")
     parser.add_argument("--cases", default="", help="comma list of case names (default: all)")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--torch-peer", default="", help=argparse.SUPPRESS)  # child: JSON path
     args = parser.parse_args()
     cases = TINY if args.tiny else FULL
     if args.cases:
         cases = [c for c in cases if c.name in args.cases.split(",")]
+    if args.torch_peer:
+        with open(args.torch_peer, "w") as f:
+            json.dump(torch_sdpa(cases, args.iters), f)
+        return
     results: dict[str, Any] = {"backend": jax.default_backend(), "jax": jax.__version__}
     if ON_GPU:
         results["device"] = jax.devices()[0].device_kind
         results["copy_tb_s"] = copy_bandwidth() / 1e12
         results["read_tb_s"] = read_bandwidth() / 1e12
         results["matmul_tflop_s"] = matmul_rate() / 1e12
+        results["torch_sdpa"] = torch_sdpa_in_subprocess([c.name for c in cases], args.iters)
     for case in cases:
         results[case.name] = run_case(case, 2 if args.tiny else args.iters)
+        peer = results.get("torch_sdpa", {}).get(case.name, {}).get("best")
+        if peer:
+            results[case.name]["torch_sdpa_best"] = peer
     emit(results, "attention")
     rows = []
     for case in cases:

@@ -4,9 +4,15 @@ The kernel runs one program per (query head n, query block i of ``block_q`` rows
 A program copies its query block into shared memory once, then walks the key blocks of its
 kv head (n // G) with an online softmax: the running row max and row sum stay in fp32
 registers, the output accumulator too, and each step rescales them by the new max. QK^T and
-PV run on the tensor cores (wgmma); K and V blocks arrive by TMA into ``stages`` (2-4)
+PV run on the tensor cores (wgmma); K and V blocks arrive by TMA into ``stages`` (2-8)
 shared-memory slots, the copies of the next ``stages - 1`` blocks in flight during the current
 block's math, so loads overlap compute.
+
+With ``consumers`` (1 or 2) the program's warpgroups specialise instead: a producer warpgroup
+only issues the K/V copies, refilling each slot as soon as every consumer has released it,
+and each consumer warpgroup computes its own query block against the shared K/V blocks (FA3's
+split of roles): the copies then never wait behind a consumer's softmax, and two consumers
+read each K/V block once for 2 x ``block_q`` rows.
 
 Ragged batches cost nothing for the padding. Row b has ``query_lengths[b]`` real queries and
 ``key_lengths[b]`` real keys; query t sits at position ``key_lengths[b] - query_lengths[b] +
@@ -35,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -55,6 +62,7 @@ from spark_jax.attention import AttentionMask, reference_attention
 
 _LOG2E = math.log2(math.e)
 _NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero
+_SMEM_LIMIT = 227 * 1024  # a Hopper thread block's dynamic shared memory
 
 
 def flash_attention_reference(
@@ -124,6 +132,7 @@ def flash_attention(
     block_q: int = 64,
     block_k: int | None = None,
     stages: int = 2,
+    consumers: int = 0,
     block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -133,9 +142,15 @@ def flash_attention(
     S); query t sits at key position ``key_lengths[b] - query_lengths[b] + t`` and, if
     ``causal``, sees keys up to that position. Rows past the query length and rows that see
     no key give zeros. ``block_q`` (Q, 64 or 128) divides T, ``block_k`` (L, 64 or 128;
-    ``default_block_k``) divides S: pad the shapes, not the lengths. ``stages`` (2-4) K/V
+    ``default_block_k``) divides S: pad the shapes, not the lengths. ``stages`` (2-8) K/V
     blocks are in flight per program: more hide more of the copy latency, fewer leave room
     for more programs per SM.
+
+    ``consumers`` 0 runs one warpgroup per program, which issues its own K/V copies. 1 or 2
+    specialise the warpgroups (``_specialized_body``): a producer warpgroup issues the copies
+    as soon as a slot is released, and each consumer warpgroup computes its own ``block_q``
+    query rows against the shared K/V blocks (a program then covers ``consumers x block_q``
+    rows, which must divide T).
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -156,16 +171,29 @@ def flash_attention(
         dense_k = jax.ShapeDtypeStruct((b, tables[0].shape[1] * page_size, kv_heads, h), k.dtype)
     s, kv_heads = dense_k.shape[1], dense_k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
-    if not flash_attention_applies(q, dense_k, block_q, block_k) or stages not in (2, 3, 4):
+    rows_per_program = block_q * max(consumers, 1)
+    if (
+        not flash_attention_applies(q, dense_k, block_q, block_k)
+        or not 2 <= stages <= 8
+        or consumers not in (0, 1, 2)
+        or t % rows_per_program
+    ):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
-            f"{block_k=}, {stages=}"
+            f"{block_k=}, {stages=}, {consumers=}"
+        )
+    smem = _shared_bytes(block_q, block_k, h, stages, consumers, q.dtype)
+    if not interpret and smem > _SMEM_LIMIT:
+        raise ValueError(
+            f"{stages} stages of {block_k} keys with {max(consumers, 1)} query blocks of "
+            f"{block_q} rows need {smem // 1024} KiB of shared memory, over the "
+            f"{_SMEM_LIMIT // 1024} KiB of a Hopper SM: use fewer stages or smaller blocks"
         )
     query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, q.dtype, causal, scale, page_size,
-        interpret,
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, q.dtype, causal, scale,
+        page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
 
@@ -196,12 +224,14 @@ def flash_decode_attention(
     block_table: jax.Array | None = None,
     block_k: int | None = None,
     stages: int = 2,
+    consumers: int = 0,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
     int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
-    (default 128 keys where they tile the rows) and ``stages`` as in ``flash_attention``.
+    (default 128 keys where they tile the rows), ``stages`` and ``consumers`` (0 or 1) as in
+    ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -231,6 +261,7 @@ def flash_decode_attention(
         scale=scale,
         block_k=block_k,
         stages=stages,
+        consumers=consumers,
         block_table=block_table,
         interpret=interpret,
     )
@@ -259,6 +290,7 @@ def _flash_kernel(
     block_q: int,
     block_k: int,
     stages: int,
+    consumers: int,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -269,7 +301,8 @@ def _flash_kernel(
     [B,T,N,H]; with ``page_size``, k and v are page pools and a block table comes before q."""
     group = n // kv_heads
     pages_per_block = 1 if page_size is None else block_k // page_size
-    num_q_blocks = t // block_q
+    blocks_per_program = max(consumers, 1)
+    num_programs_q = t // (block_q * blocks_per_program)
     tiled = _smem_transforms(dtype)
 
     def body(*refs):
@@ -280,126 +313,241 @@ def _flash_kernel(
         q_gmem, k_gmem, v_gmem, *refs = refs
         (
             out_gmem,  # [B, T, N, H]
-            # Scratch (SMEM).
-            q_smem,  # [Q, H] the query block, then the output block on its way out
+            # Scratch (SMEM), shared by the warpgroups of a program.
+            q_smem,  # [C, Q, H] each query block, then its output block on its way out
             k_smem,  # [stages, L, H]: block j in slot j % stages
             v_smem,  # [stages, L, H]
-            kt_smem,  # [H, L] K^T, interpret mode only (else None)
-            p_smem,  # [Q, L] probabilities, the PV product's A operand, interpret mode only
-            q_barrier,  # 1 TMA barrier
+            kt_smem,  # [C, H, L] K^T, interpret mode only (else None)
+            p_smem,  # [C, Q, L] probabilities, the PV product's A operand, interpret only
+            q_barriers,  # one TMA barrier per query block
             k_barriers,  # one TMA barrier per slot (one arrival per page when paged)
             v_barriers,  # one TMA barrier per slot
+            *released,  # warp-specialised: per slot, each consumer's K and V done (C arrivals)
         ) = refs
         head, row = lax.axis_index("n"), lax.axis_index("b")
-        q_block = lax.axis_index("q")
+        program_q = lax.axis_index("q")
         if causal:  # the longest (last) query blocks first
-            q_block = num_q_blocks - 1 - q_block
+            program_q = num_programs_q - 1 - program_q
         kv_head = lax.div(head, group)
-        q_start = q_block * block_q
         q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
         offset = k_length - q_length  # the key position of query 0
-        live_rows = jnp.clip(q_length - q_start, 0, block_q)
-        full_steps, num_steps = _key_blocks(q_start, q_length, k_length, block_q, block_k, causal)
 
-        def fetch(step):
+        def fetch_keys(step):
+            _fetch(k_gmem, k_smem, k_barriers, step)
+
+        def fetch_values(step):
+            _fetch(v_gmem, v_smem, v_barriers, step)
+
+        def _fetch(pool, slots, barriers, step):
             slot = lax.rem(step, stages)
             if table_gmem is None:
                 keys = pl.ds(step * block_k, block_k)
                 plgpu.copy_gmem_to_smem(
-                    k_gmem.at[row, keys, kv_head], k_smem.at[slot], k_barriers.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_gmem.at[row, keys, kv_head], v_smem.at[slot], v_barriers.at[slot]
+                    pool.at[row, keys, kv_head], slots.at[slot], barriers.at[slot]
                 )
                 return
             for i in range(pages_per_block):  # the block's pages, one after another in SMEM
                 page = table_gmem[row, step * pages_per_block + i]
                 keys = pl.ds(i * page_size, page_size)
                 plgpu.copy_gmem_to_smem(
-                    k_gmem.at[page, :, kv_head], k_smem.at[slot, keys], k_barriers.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_gmem.at[page, :, kv_head], v_smem.at[slot, keys], v_barriers.at[slot]
+                    pool.at[page, :, kv_head], slots.at[slot, keys], barriers.at[slot]
                 )
 
-        @pl.when(num_steps > 0)
+        def query_block(c) -> QueryBlock:
+            """Query block c of the program: its rows, key blocks and shared memory."""
+            q_start = (program_q * blocks_per_program + c) * block_q
+            full_steps, num_steps = _key_blocks(
+                q_start, q_length, k_length, block_q, block_k, causal
+            )
+            return QueryBlock(
+                q_start,
+                jnp.clip(q_length - q_start, 0, block_q),
+                full_steps,
+                num_steps,
+                q_smem.at[c],
+                None if kt_smem is None else kt_smem.at[c],
+                None if p_smem is None else p_smem.at[c],
+                q_barriers.at[c],
+            )
+
+        def load_queries(block: QueryBlock):
+            queries = q_gmem.at[row, pl.ds(block.q_start, block_q), head]
+            plgpu.copy_gmem_to_smem(queries, block.q, block.barrier)
+
+        def attend(block: QueryBlock, before_step, after_keys, after_values):
+            """Walks the block's key blocks (the copies issued elsewhere), writes its output."""
+
+            def visible(j):
+                """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
+                before the position of query q_start + r."""
+                keys = _iota((block_q, block_k), 1, interpret) + j * block_k
+                seen = keys < k_length
+                if causal:
+                    rows = _iota((block_q, block_k), 0, interpret)
+                    seen &= keys <= rows + (offset + block.q_start)
+                return seen
+
+            def step(j, carry, masked: bool):
+                acc, row_max, row_sum = carry
+                slot = lax.rem(j, stages)
+                before_step(j)
+                plgpu.barrier_wait(k_barriers.at[slot])
+
+                def qk(acc_ref):
+                    keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
+                    plgpu.wgmma(acc_ref, block.q, keys_t)
+                    return acc_ref[...]
+
+                scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+                after_keys(slot)
+                scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
+                if masked:
+                    scores = jnp.where(visible(j), scores, -jnp.inf)
+                new_max = jnp.maximum(row_max, scores.max(axis=1))
+                rescale = jnp.exp2(row_max - new_max)
+                probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+                row_sum = row_sum * rescale + probs.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+                plgpu.barrier_wait(v_barriers.at[slot])
+                acc = _add_pv(acc, probs.astype(dtype), v_smem.at[slot], block.p, interpret)
+                after_values(slot)
+                return acc, new_max, row_sum
+
+            reduced = plgpu.Layout.WGMMA.reduce(1)
+            carry = (
+                _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
+                _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
+                _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
+            )
+            unmasked = lambda j, c: step(j, c, masked=False)  # noqa: E731
+            carry = lax.fori_loop(0, block.full_steps, unmasked, carry)
+            masked = lambda j, c: step(j, c, masked=True)  # noqa: E731
+            acc, _, row_sum = lax.fori_loop(block.full_steps, block.num_steps, masked, carry)
+
+            # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
+            inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
+            out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
+            live = _iota((block_q, h), 0, interpret) < block.live_rows
+            block.q[...] = jnp.where(live, out, 0.0).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(block.q, out_gmem.at[row, pl.ds(block.q_start, block_q), head])
+            plgpu.wait_smem_to_gmem(0)
+
+        if not consumers:
+            _single_warpgroup(query_block(0), fetch_keys, fetch_values, load_queries, attend)
+        else:
+            copied = (k_barriers, v_barriers)
+            _specialized(
+                [query_block(c) for c in range(consumers)], copied, released, fetch_keys,
+                fetch_values, load_queries, attend,
+            )  # fmt: skip
+
+    def _single_warpgroup(block, fetch_keys, fetch_values, load_queries, attend):
+        """One warpgroup issues the copies of block j + stages - 1 at step j, then computes."""
+
+        @pl.when(block.num_steps > 0)
         def _prologue():
-            queries = q_gmem.at[row, pl.ds(q_start, block_q), head]
-            plgpu.copy_gmem_to_smem(queries, q_smem, q_barrier.at[0])
+            load_queries(block)
             # Block 0 exists (num_steps > 0), the next ones may not; none past S is traced.
             for ahead in range(min(stages - 1, s // block_k)):
-                pl.when(ahead < num_steps)(functools.partial(fetch, ahead))
 
-            plgpu.barrier_wait(q_barrier.at[0])
+                @pl.when(ahead < block.num_steps)
+                def _fetch(ahead=ahead):
+                    fetch_keys(ahead)
+                    fetch_values(ahead)
 
-        def visible(j):
-            """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
-            before the position of query q_start + r."""
-            keys = _iota((block_q, block_k), 1, interpret) + j * block_k
-            seen = keys < k_length
-            if causal:
-                seen &= keys <= _iota((block_q, block_k), 0, interpret) + (offset + q_start)
-            return seen
+            plgpu.barrier_wait(block.barrier)
 
-        def step(j, carry, masked: bool):
-            acc, row_max, row_sum = carry
-            slot = lax.rem(j, stages)
-
-            # Block j + stages - 1 goes to the slot step j - 1 read, whose products are
-            # complete (the wgmma results were read back into registers).
-            @pl.when(j + stages - 1 < num_steps)
+        # Block j + stages - 1 goes to the slot step j - 1 read, whose products are complete
+        # (the wgmma results were read back into registers).
+        def before_step(j):
+            @pl.when(j + stages - 1 < block.num_steps)
             def _prefetch():
-                fetch(j + stages - 1)
+                fetch_keys(j + stages - 1)
+                fetch_values(j + stages - 1)
 
-            plgpu.barrier_wait(k_barriers.at[slot])
+        attend(block, before_step, lambda slot: None, lambda slot: None)
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, _transposed_keys(k_smem.at[slot], kt_smem, interpret))
-                return acc_ref[...]
+    def _specialized(blocks, copied, released, fetch_keys, fetch_values, load_queries, attend):
+        """Warpgroups 0..C-1 consume, warpgroup C produces: it refills a slot as soon as
+        every consumer has released it, so the copies never wait on a consumer's softmax."""
+        keys_copied, values_copied = copied
+        keys_released, values_released = released
+        wg = lax.axis_index("wg")
+        program_steps = functools.reduce(jnp.maximum, [block.num_steps for block in blocks])
 
-            scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
-            scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
-            if masked:
-                scores = jnp.where(visible(j), scores, -jnp.inf)
-            new_max = jnp.maximum(row_max, scores.max(axis=1))
-            rescale = jnp.exp2(row_max - new_max)
-            probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
-            row_sum = row_sum * rescale + probs.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
-            plgpu.barrier_wait(v_barriers.at[slot])
-            acc = _add_pv(acc, probs.astype(dtype), v_smem.at[slot], p_smem, interpret)
-            return acc, new_max, row_sum
+        @pl.when(wg == consumers)
+        def _producer():
+            if consumers == 2 and not interpret:
+                plgpu.set_max_registers(40, action="decrease")
 
-        reduced = plgpu.Layout.WGMMA.reduce(1)
-        carry = (
-            _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
-            _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
-            _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
-        )
-        carry = lax.fori_loop(0, full_steps, lambda j, c: step(j, c, masked=False), carry)
-        acc, _, row_sum = lax.fori_loop(
-            full_steps, num_steps, lambda j, c: step(j, c, masked=True), carry
-        )
+            def await_release(step, released):  # of the block `stages` before `step`
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(released.at[lax.rem(step, stages)])
 
-        # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
-        inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
-        out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
-        live = _iota((block_q, h), 0, interpret) < live_rows
-        q_smem[...] = jnp.where(live, out, 0.0).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[row, pl.ds(q_start, block_q), head])
-        plgpu.wait_smem_to_gmem(0)
+            @pl.loop(0, program_steps)
+            def _issue(step):
+                await_release(step, keys_released)
+                fetch_keys(step)
+                await_release(step, values_released)
+                fetch_values(step)
 
+            # The last blocks' releases, awaited too: the slots are free when the program
+            # ends (and the interpreter checks that a barrier's waiter saw every phase).
+            @pl.loop(program_steps, program_steps + stages)
+            def _drain(step):
+                await_release(step, keys_released)
+                await_release(step, values_released)
+
+        def release_unread(slot):
+            # Arrivals only count: released before its copy lands, a slot could collect this
+            # consumer's arrivals for two blocks while another consumer still reads the first.
+            plgpu.barrier_wait(keys_copied.at[slot])
+            plgpu.barrier_arrive(keys_released.at[slot])
+            plgpu.barrier_wait(values_copied.at[slot])
+            plgpu.barrier_arrive(values_released.at[slot])
+
+        for c, block in enumerate(blocks):
+
+            @pl.when(wg == c)
+            def _consumer(block=block):
+                if consumers == 2 and not interpret:
+                    plgpu.set_max_registers(232, action="increase")
+
+                @pl.when(block.num_steps > 0)
+                def _():
+                    load_queries(block)
+                    plgpu.barrier_wait(block.barrier)
+
+                attend(
+                    block,
+                    lambda j: None,
+                    lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
+                    lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
+                )
+
+                # Blocks another consumer still reads: released unread, so the producer
+                # can refill their slots.
+                @pl.loop(block.num_steps, program_steps)
+                def _(step):
+                    release_unread(lax.rem(step, stages))
+
+    c = blocks_per_program
     scratch = [
-        plgpu.SMEM((block_q, h), dtype, transforms=tiled),
+        plgpu.SMEM((c, block_q, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
-        plgpu.SMEM((h, block_k), dtype) if interpret else None,
-        plgpu.SMEM((block_q, block_k), dtype, transforms=tiled) if interpret else None,
-        plgpu.Barrier(num_barriers=1),
+        plgpu.SMEM((c, h, block_k), dtype) if interpret else None,
+        plgpu.SMEM((c, block_q, block_k), dtype, transforms=tiled) if interpret else None,
+        plgpu.Barrier(num_barriers=c),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
+    threads = {}
+    if consumers:
+        scratch += [plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)] * 2
+        threads = {"num_threads": consumers + 1, "thread_name": "wg"}
     return _shared(
         plgpu.kernel(
             body,
@@ -407,12 +555,35 @@ def _flash_kernel(
             scratch_types=scratch,
             # Heads vary fastest: the G heads of one kv head run side by side and share its K/V
             # blocks in L2.
-            grid=(n, num_q_blocks, b),
+            grid=(n, num_programs_q, b),
             grid_names=("n", "q", "b"),
             compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
             interpret=_interpret_params() if interpret else None,
+            **threads,
         )
     )
+
+
+class QueryBlock(NamedTuple):
+    """One consumer's query block: its first row, live rows, key blocks, and its shared
+    memory (query/output block, interpret-mode K^T and P slots) and query-copy barrier."""
+
+    q_start: jax.Array
+    live_rows: jax.Array
+    full_steps: jax.Array
+    num_steps: jax.Array
+    q: object
+    kt: object
+    p: object
+    barrier: object
+
+
+def _shared_bytes(
+    block_q: int, block_k: int, h: int, stages: int, consumers: int, dtype: jnp.dtype
+) -> int:
+    """Shared memory of one program on the GPU: its query blocks and the K/V slots."""
+    size = jnp.dtype(dtype).itemsize
+    return (max(consumers, 1) * block_q + 2 * stages * block_k) * h * size
 
 
 def _key_blocks(

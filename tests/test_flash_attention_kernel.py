@@ -24,8 +24,10 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
 
 
-@partial(jax.jit, static_argnames=["causal", "block_q", "block_k", "stages"])
-def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64, stages=2):
+@partial(jax.jit, static_argnames=["causal", "block_q", "block_k", "stages", "consumers"])
+def _kernel(
+    q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64, stages=2, consumers=0
+):
     return fa.flash_attention(
         q,
         k,
@@ -36,6 +38,7 @@ def _kernel(q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64,
         block_q=block_q,
         block_k=block_k,
         stages=stages,
+        consumers=consumers,
         interpret=not ON_GPU,
     )
 
@@ -93,6 +96,24 @@ def test_deeper_pipelines_give_the_same_attention(case, stages):
     assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "case, consumers, stages",
+    [("causal_gqa1", 2, 2), ("causal_gqa4_prefix", 2, 2), ("cross_gqa4", 1, 3)],
+)
+def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages):
+    """A producer warpgroup with one or two consumers: two query blocks of one program that
+    walk different numbers of key blocks (causal, ragged: the shorter one releases the
+    slots it does not read), an idle row, and more key blocks than slots."""
+    t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
+    q, k, v = _inputs(4, 2, t, s, n, kv_heads, h, jnp.float32)
+    q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers)
+    ref = _reference(q, k, v, q_len, k_len, causal)
+    assert _relative_error(out, ref) <= 1e-5
+    padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]
+    assert (np.asarray(out)[padding] == 0).all()
+
+
 def test_flash_attention_never_reads_past_the_lengths():
     """NaN in every key block past a row's key length and in every query past its query
     length: the kernel's output stays finite (and right), so those blocks were never read."""
@@ -142,6 +163,16 @@ def test_flash_attention_declines_what_it_cannot_run():
     assert not fa.flash_attention_applies(q, k.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="does not apply"):
         fa.flash_attention(q[:, :100], k, k, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):  # 2 x 64 rows do not divide 64
+        fa.flash_attention(q[:, :64], k, k, consumers=2, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):
+        fa.flash_attention(q, k, k, consumers=3, interpret=True)
+    big_q, big_k = (
+        jnp.zeros((1, 256, 8, 128), jnp.bfloat16),
+        jnp.zeros((1, 512, 2, 128), jnp.bfloat16),
+    )
+    with pytest.raises(ValueError, match="KiB of shared memory"):  # checked before compiling
+        fa.flash_attention(big_q, big_k, big_k, block_k=128, stages=4, consumers=2)
 
 
 @pytest.mark.gpu
@@ -150,11 +181,18 @@ def test_flash_attention_declines_what_it_cannot_run():
     "causal, t, s, lengths",
     [(True, 1024, 1024, ([1024, 700], [1024, 900])), (False, 256, 1024, ([256, 31], [977, 400]))],
 )
-@pytest.mark.parametrize("dtype, stages", [(jnp.bfloat16, 2), (jnp.float16, 2), (jnp.bfloat16, 3)])
-def test_flash_attention_on_gpu_matches_the_reference(causal, t, s, lengths, dtype, stages):
+@pytest.mark.parametrize(
+    "dtype, stages, consumers",
+    [(jnp.bfloat16, 2, 0), (jnp.float16, 2, 0), (jnp.bfloat16, 3, 0), (jnp.bfloat16, 2, 2)],
+)
+def test_flash_attention_on_gpu_matches_the_reference(
+    causal, t, s, lengths, dtype, stages, consumers
+):
     q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
     q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
-    out = fa.flash_attention(q, k, v, q_len, k_len, causal=causal, stages=stages)
+    out = fa.flash_attention(
+        q, k, v, q_len, k_len, causal=causal, stages=stages, consumers=consumers
+    )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-2
 
@@ -190,6 +228,18 @@ def test_flash_decode_matches_the_reference(n, kv_heads, h, s):
     assert (np.asarray(out)[1] == 0).all()
 
 
+def test_flash_decode_with_a_producer_warpgroup_matches_the_reference():
+    """The decode walk with its copies issued by a producer warpgroup (``consumers=1``), 3
+    slots over rows of 4 key blocks, ragged lengths and an empty row."""
+    q, k, v = _inputs(7, 3, 1, 256, 8, 2, 64, jnp.float32)
+    lengths = jnp.asarray([256, 0, 131], jnp.int32)
+    walk = partial(fa.flash_decode_attention, block_k=64, stages=3, consumers=1)
+    out = jax.jit(partial(walk, interpret=not ON_GPU))(q, k, v, lengths)
+    ref = _reference(q, k, v, jnp.ones(3, jnp.int32), lengths, causal=False)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert (np.asarray(out)[1] == 0).all()
+
+
 def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
     """``attention(..., implementation="pallas")`` on a one-token step: the flash walk once
     rows x kv heads reach ``FLASH_DECODE_MIN_PROGRAMS``, with a causal mask whose query sits
@@ -214,10 +264,11 @@ def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-def test_flash_decode_on_gpu_matches_the_reference():
+@pytest.mark.parametrize("tuning", [{}, {"stages": 3, "consumers": 1}])
+def test_flash_decode_on_gpu_matches_the_reference(tuning):
     q, k, v = _inputs(12, 64, 1, 1024, 32, 8, 128, jnp.bfloat16)
     lengths = jnp.asarray(np.random.default_rng(3).integers(0, 1025, 64), jnp.int32)
-    out = jax.jit(fa.flash_decode_attention)(q, k, v, lengths)
+    out = jax.jit(partial(fa.flash_decode_attention, **tuning))(q, k, v, lengths)
     ref = _reference(q, k, v, jnp.ones(64, jnp.int32), lengths, causal=False)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, ref) <= 1e-2
