@@ -15,7 +15,9 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   kernel for decode (``_c128`` / ``_c64``: keys per program),
 - ``pallas_ws<C>_k<L>_s<stages>`` the flash kernel with its warpgroups specialised: a
   producer issuing the K/V copies and C consumers of 64 query rows each (``consumers``),
-  L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer),
+  L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer), and
+  ``pallas_flash_ws2split_k<L>_s<stages>`` with two consumers taking turns over the key
+  blocks (``split_keys``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -155,7 +157,18 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                     stages=stages,
                     consumers=1,
                 )
-                for keys, stages in ((128, 2), (128, 3), (64, 4), (64, 6))
+                for keys, stages in ((128, 3), (64, 6))
+            },
+            **{
+                f"pallas_flash_ws2split_k{keys}_s{stages}": partial(
+                    _pallas_flash_decode,
+                    interpret=not ON_GPU,
+                    block_k=keys,
+                    stages=stages,
+                    consumers=2,
+                    split_keys=True,
+                )
+                for keys, stages in ((128, 2), (64, 2), (64, 4))
             },
             "cudnn": cudnn,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
@@ -379,13 +392,15 @@ def poison_free_memory(nbytes: int) -> None:
     junk.delete()
 
 
-def run_case(case: Case, iters: int) -> dict[str, Any]:
+def run_case(case: Case, iters: int, only: list[str] | None = None) -> dict[str, Any]:
     q, k, v, lengths = inputs(case)
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = jax.jit(reference_attention)(*up, mask_of(case, lengths))
     tolerance = 1e-2 if case.dtype in ("bfloat16", "float16") else 1e-5
     results: dict[str, Any] = {"case": asdict(case), "tolerance": tolerance}
     for name, impl in implementations(case).items():
+        if only and not any(name.startswith(prefix) for prefix in only):
+            continue
         if impl is None:
             results[name] = {"skipped": "not available for this case or backend"}
             continue
@@ -413,6 +428,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 shapes (CPU smoke run)")
     parser.add_argument("--cases", default="", help="comma list of case names (default: all)")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--impls", default="", help="comma list of name prefixes (default: all)")
     parser.add_argument("--torch-peer", default="", help=argparse.SUPPRESS)  # child: JSON path
     args = parser.parse_args()
     cases = TINY if args.tiny else FULL
@@ -430,7 +446,8 @@ def main() -> None:
         results["matmul_tflop_s"] = matmul_rate() / 1e12
         results["torch_sdpa"] = torch_sdpa_in_subprocess([c.name for c in cases], args.iters)
     for case in cases:
-        results[case.name] = run_case(case, 2 if args.tiny else args.iters)
+        only = [prefix for prefix in args.impls.split(",") if prefix]
+        results[case.name] = run_case(case, 2 if args.tiny else args.iters, only)
         peer = results.get("torch_sdpa", {}).get(case.name, {}).get("best")
         if peer:
             results[case.name]["torch_sdpa_best"] = peer

@@ -133,6 +133,7 @@ def flash_attention(
     block_k: int | None = None,
     stages: int = 2,
     consumers: int = 0,
+    split_keys: bool = False,
     block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -147,10 +148,13 @@ def flash_attention(
     for more programs per SM.
 
     ``consumers`` 0 runs one warpgroup per program, which issues its own K/V copies. 1 or 2
-    specialise the warpgroups (``_specialized_body``): a producer warpgroup issues the copies
-    as soon as a slot is released, and each consumer warpgroup computes its own ``block_q``
-    query rows against the shared K/V blocks (a program then covers ``consumers x block_q``
-    rows, which must divide T).
+    specialise the warpgroups: a producer warpgroup issues the copies as soon as a slot is
+    released, and each consumer warpgroup computes its own ``block_q`` query rows against the
+    shared K/V blocks (a program then covers ``consumers x block_q`` rows, which must divide
+    T). With ``split_keys`` the 2 consumers share one query block instead and take turns over
+    its key blocks, merging their softmax states at the end: for few query rows against many
+    keys (the decode walk), where one warpgroup's softmax between its copies is the limit;
+    ``consumers`` must then divide ``stages``.
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -171,18 +175,19 @@ def flash_attention(
         dense_k = jax.ShapeDtypeStruct((b, tables[0].shape[1] * page_size, kv_heads, h), k.dtype)
     s, kv_heads = dense_k.shape[1], dense_k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
-    rows_per_program = block_q * max(consumers, 1)
+    rows_per_program = block_q * (1 if split_keys else max(consumers, 1))
     if (
         not flash_attention_applies(q, dense_k, block_q, block_k)
         or not 2 <= stages <= 8
         or consumers not in (0, 1, 2)
         or t % rows_per_program
+        or (split_keys and (consumers != 2 or stages % consumers))
     ):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
-            f"{block_k=}, {stages=}, {consumers=}"
+            f"{block_k=}, {stages=}, {consumers=}, {split_keys=}"
         )
-    smem = _shared_bytes(block_q, block_k, h, stages, consumers, q.dtype)
+    smem = _shared_bytes(block_q, block_k, h, stages, consumers, split_keys, q.dtype)
     if not interpret and smem > _SMEM_LIMIT:
         raise ValueError(
             f"{stages} stages of {block_k} keys with {max(consumers, 1)} query blocks of "
@@ -192,8 +197,8 @@ def flash_attention(
     query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, q.dtype, causal, scale,
-        page_size, interpret,
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, split_keys, q.dtype,
+        causal, scale, page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
 
@@ -225,13 +230,14 @@ def flash_decode_attention(
     block_k: int | None = None,
     stages: int = 2,
     consumers: int = 0,
+    split_keys: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
     int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
-    (default 128 keys where they tile the rows), ``stages`` and ``consumers`` (0 or 1) as in
-    ``flash_attention``.
+    (default 128 keys where they tile the rows), ``stages``, ``consumers`` (0 or 1; 2 with
+    ``split_keys``) and ``split_keys`` as in ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -262,6 +268,7 @@ def flash_decode_attention(
         block_k=block_k,
         stages=stages,
         consumers=consumers,
+        split_keys=split_keys,
         block_table=block_table,
         interpret=interpret,
     )
@@ -291,6 +298,7 @@ def _flash_kernel(
     block_k: int,
     stages: int,
     consumers: int,
+    split_keys: bool,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -301,7 +309,7 @@ def _flash_kernel(
     [B,T,N,H]; with ``page_size``, k and v are page pools and a block table comes before q."""
     group = n // kv_heads
     pages_per_block = 1 if page_size is None else block_k // page_size
-    blocks_per_program = max(consumers, 1)
+    blocks_per_program = 1 if split_keys else max(consumers, 1)
     num_programs_q = t // (block_q * blocks_per_program)
     tiled = _smem_transforms(dtype)
 
@@ -322,8 +330,11 @@ def _flash_kernel(
             q_barriers,  # one TMA barrier per query block
             k_barriers,  # one TMA barrier per slot (one arrival per page when paged)
             v_barriers,  # one TMA barrier per slot
-            *released,  # warp-specialised: per slot, each consumer's K and V done (C arrivals)
+            *refs,
         ) = refs
+        # Warp-specialised: per slot, the consumers' K and V releases; split keys: the other
+        # consumers' running acc f32[C-1, Q, H], (max, sum) f32[C-1, 2, Q], their arrival.
+        released, partials = (refs[:2], refs[2:]) if consumers else ((), ())
         head, row = lax.axis_index("n"), lax.axis_index("b")
         program_q = lax.axis_index("q")
         if causal:  # the longest (last) query blocks first
@@ -353,8 +364,10 @@ def _flash_kernel(
                     pool.at[page, :, kv_head], slots.at[slot, keys], barriers.at[slot]
                 )
 
-        def query_block(c) -> QueryBlock:
-            """Query block c of the program: its rows, key blocks and shared memory."""
+        def query_block(c, scratch_slot=None) -> QueryBlock:
+            """Query block c of the program: its rows, key blocks and shared memory (the
+            interpreter's K^T and P slots at ``scratch_slot``, default c)."""
+            scratch_slot = c if scratch_slot is None else scratch_slot
             q_start = (program_q * blocks_per_program + c) * block_q
             full_steps, num_steps = _key_blocks(
                 q_start, q_length, k_length, block_q, block_k, causal
@@ -365,8 +378,8 @@ def _flash_kernel(
                 full_steps,
                 num_steps,
                 q_smem.at[c],
-                None if kt_smem is None else kt_smem.at[c],
-                None if p_smem is None else p_smem.at[c],
+                None if kt_smem is None else kt_smem.at[scratch_slot],
+                None if p_smem is None else p_smem.at[scratch_slot],
                 q_barriers.at[c],
             )
 
@@ -374,8 +387,9 @@ def _flash_kernel(
             queries = q_gmem.at[row, pl.ds(block.q_start, block_q), head]
             plgpu.copy_gmem_to_smem(queries, block.q, block.barrier)
 
-        def attend(block: QueryBlock, before_step, after_keys, after_values):
-            """Walks the block's key blocks (the copies issued elsewhere), writes its output."""
+        def walk(block: QueryBlock, first, stride, before_step, after_keys, after_values):
+            """Key blocks first, first + stride, ... of the block's walk (the copies issued
+            elsewhere) -> the running (acc, row max, row sum) over them."""
 
             def visible(j):
                 """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
@@ -387,8 +401,9 @@ def _flash_kernel(
                     seen &= keys <= rows + (offset + block.q_start)
                 return seen
 
-            def step(j, carry, masked: bool):
+            def step(i, carry, masked: bool):
                 acc, row_max, row_sum = carry
+                j = first + i * stride
                 slot = lax.rem(j, stages)
                 before_step(j)
                 plgpu.barrier_wait(k_barriers.at[slot])
@@ -413,17 +428,21 @@ def _flash_kernel(
                 after_values(slot)
                 return acc, new_max, row_sum
 
+            def count(end):  # the walk's steps below block `end`
+                return lax.div(jnp.maximum(end - first, 0) + stride - 1, stride)
+
             reduced = plgpu.Layout.WGMMA.reduce(1)
             carry = (
                 _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
                 _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
                 _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
             )
-            unmasked = lambda j, c: step(j, c, masked=False)  # noqa: E731
-            carry = lax.fori_loop(0, block.full_steps, unmasked, carry)
-            masked = lambda j, c: step(j, c, masked=True)  # noqa: E731
-            acc, _, row_sum = lax.fori_loop(block.full_steps, block.num_steps, masked, carry)
+            full, total = count(block.full_steps), count(block.num_steps)
+            carry = lax.fori_loop(0, full, lambda i, c: step(i, c, masked=False), carry)
+            return lax.fori_loop(full, total, lambda i, c: step(i, c, masked=True), carry)
 
+        def finish(block: QueryBlock, acc, row_sum):
+            """The normalised output block, through the query block's slot, to GMEM."""
             # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
             inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
             out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
@@ -433,28 +452,29 @@ def _flash_kernel(
             plgpu.copy_smem_to_gmem(block.q, out_gmem.at[row, pl.ds(block.q_start, block_q), head])
             plgpu.wait_smem_to_gmem(0)
 
+        kernels = Walkers(fetch_keys, fetch_values, load_queries, walk, finish)
         if not consumers:
-            _single_warpgroup(query_block(0), fetch_keys, fetch_values, load_queries, attend)
+            _single_warpgroup(query_block(0), kernels)
+        elif split_keys:
+            block = query_block(0, lax.axis_index("wg"))  # one query block, C consumers
+            _split_keys(block, released, partials, kernels)
         else:
-            copied = (k_barriers, v_barriers)
-            _specialized(
-                [query_block(c) for c in range(consumers)], copied, released, fetch_keys,
-                fetch_values, load_queries, attend,
-            )  # fmt: skip
+            blocks = [query_block(c) for c in range(consumers)]
+            _split_queries(blocks, (k_barriers, v_barriers), released, kernels)
 
-    def _single_warpgroup(block, fetch_keys, fetch_values, load_queries, attend):
+    def _single_warpgroup(block: QueryBlock, kernels: Walkers):
         """One warpgroup issues the copies of block j + stages - 1 at step j, then computes."""
 
         @pl.when(block.num_steps > 0)
         def _prologue():
-            load_queries(block)
+            kernels.load_queries(block)
             # Block 0 exists (num_steps > 0), the next ones may not; none past S is traced.
             for ahead in range(min(stages - 1, s // block_k)):
 
                 @pl.when(ahead < block.num_steps)
                 def _fetch(ahead=ahead):
-                    fetch_keys(ahead)
-                    fetch_values(ahead)
+                    kernels.fetch_keys(ahead)
+                    kernels.fetch_values(ahead)
 
             plgpu.barrier_wait(block.barrier)
 
@@ -463,42 +483,50 @@ def _flash_kernel(
         def before_step(j):
             @pl.when(j + stages - 1 < block.num_steps)
             def _prefetch():
-                fetch_keys(j + stages - 1)
-                fetch_values(j + stages - 1)
+                kernels.fetch_keys(j + stages - 1)
+                kernels.fetch_values(j + stages - 1)
 
-        attend(block, before_step, lambda slot: None, lambda slot: None)
+        acc, _, row_sum = kernels.walk(block, 0, 1, before_step, _nothing, _nothing)
+        kernels.finish(block, acc, row_sum)
 
-    def _specialized(blocks, copied, released, fetch_keys, fetch_values, load_queries, attend):
-        """Warpgroups 0..C-1 consume, warpgroup C produces: it refills a slot as soon as
-        every consumer has released it, so the copies never wait on a consumer's softmax."""
+    def _produce(program_steps, released, kernels: Walkers):
+        """The producer warpgroup: block j into slot j % stages once the consumers released
+        the block ``stages`` before it."""
+        keys_released, values_released = released
+        if consumers == 2 and not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def await_release(step, barriers):
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(barriers.at[lax.rem(step, stages)])
+
+        @pl.loop(0, program_steps)
+        def _issue(step):
+            await_release(step, keys_released)
+            kernels.fetch_keys(step)
+            await_release(step, values_released)
+            kernels.fetch_values(step)
+
+        # The last blocks' releases, awaited too: the slots are free when the program ends
+        # (and the interpreter checks that a barrier's waiter saw every phase).
+        @pl.loop(program_steps, program_steps + stages)
+        def _drain(step):
+            await_release(step, keys_released)
+            await_release(step, values_released)
+
+    def _consume():
+        if consumers == 2 and not interpret:
+            plgpu.set_max_registers(232, action="increase")
+
+    def _split_queries(blocks: list[QueryBlock], copied, released, kernels: Walkers):
+        """Warpgroups 0..C-1 consume, each its own query block over every key block it sees;
+        warpgroup C produces. A slot is refilled once every consumer released it."""
         keys_copied, values_copied = copied
         keys_released, values_released = released
         wg = lax.axis_index("wg")
         program_steps = functools.reduce(jnp.maximum, [block.num_steps for block in blocks])
-
-        @pl.when(wg == consumers)
-        def _producer():
-            if consumers == 2 and not interpret:
-                plgpu.set_max_registers(40, action="decrease")
-
-            def await_release(step, released):  # of the block `stages` before `step`
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(released.at[lax.rem(step, stages)])
-
-            @pl.loop(0, program_steps)
-            def _issue(step):
-                await_release(step, keys_released)
-                fetch_keys(step)
-                await_release(step, values_released)
-                fetch_values(step)
-
-            # The last blocks' releases, awaited too: the slots are free when the program
-            # ends (and the interpreter checks that a barrier's waiter saw every phase).
-            @pl.loop(program_steps, program_steps + stages)
-            def _drain(step):
-                await_release(step, keys_released)
-                await_release(step, values_released)
+        pl.when(wg == consumers)(lambda: _produce(program_steps, released, kernels))
 
         def release_unread(slot):
             # Arrivals only count: released before its copy lands, a slot could collect this
@@ -512,20 +540,22 @@ def _flash_kernel(
 
             @pl.when(wg == c)
             def _consumer(block=block):
-                if consumers == 2 and not interpret:
-                    plgpu.set_max_registers(232, action="increase")
+                _consume()
 
                 @pl.when(block.num_steps > 0)
                 def _():
-                    load_queries(block)
+                    kernels.load_queries(block)
                     plgpu.barrier_wait(block.barrier)
 
-                attend(
+                acc, _, row_sum = kernels.walk(
                     block,
-                    lambda j: None,
+                    0,
+                    1,
+                    _nothing,
                     lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
                     lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
                 )
+                kernels.finish(block, acc, row_sum)
 
                 # Blocks another consumer still reads: released unread, so the producer
                 # can refill their slots.
@@ -533,21 +563,85 @@ def _flash_kernel(
                 def _(step):
                     release_unread(lax.rem(step, stages))
 
+    def _split_keys(block: QueryBlock, released, partials, kernels: Walkers):
+        """Warpgroups 0..C-1 consume one query block, consumer c the key blocks j = c mod C
+        (slots j % stages: each slot serves one consumer, since C divides stages); consumers
+        1..C-1 leave their running (acc, max, sum) in shared memory, consumer 0 merges them
+        into its own and writes the output. Warpgroup C produces."""
+        keys_released, values_released = released
+        acc_smem, stats_smem, merged = partials
+        wg = lax.axis_index("wg")
+        pl.when(wg == consumers)(lambda: _produce(block.num_steps, released, kernels))
+
+        @pl.when(wg < consumers)
+        def _consumer():
+            _consume()
+
+            @pl.when((wg == 0) & (block.num_steps > 0))
+            def _():
+                kernels.load_queries(block)
+
+            @pl.when(block.num_steps > 0)
+            def _():
+                plgpu.barrier_wait(block.barrier)
+
+            acc, row_max, row_sum = kernels.walk(
+                block,
+                wg,
+                consumers,
+                _nothing,
+                lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
+                lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
+            )
+
+            @pl.when(wg > 0)
+            def _leave():
+                acc_smem.at[wg - 1][...] = acc
+                stats_smem.at[wg - 1, 0][...] = row_max
+                stats_smem.at[wg - 1, 1][...] = row_sum
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(merged.at[0])
+
+            @pl.when(wg == 0)
+            def _merge():
+                plgpu.barrier_wait(merged.at[0])
+                total_acc, total_max, total_sum = acc, row_max, row_sum
+                reduced = plgpu.Layout.WGMMA.reduce(1)
+                for c in range(consumers - 1):
+                    other_max = _with_layout(stats_smem[c, 0], reduced, interpret)
+                    other_sum = _with_layout(stats_smem[c, 1], reduced, interpret)
+                    other_acc = _load_wgmma(acc_smem.at[c], interpret)
+                    new_max = jnp.maximum(total_max, other_max)
+                    mine, theirs = jnp.exp2(total_max - new_max), jnp.exp2(other_max - new_max)
+                    total_sum = total_sum * mine + other_sum * theirs
+                    total_acc = total_acc * lax.broadcast_in_dim(mine, (block_q, h), [0])
+                    total_acc += other_acc * lax.broadcast_in_dim(theirs, (block_q, h), [0])
+                    total_max = new_max
+                kernels.finish(block, total_acc, total_sum)
+
     c = blocks_per_program
+    walkers = consumers if split_keys else c  # the interpreter's K^T and P slots
     scratch = [
         plgpu.SMEM((c, block_q, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
-        plgpu.SMEM((c, h, block_k), dtype) if interpret else None,
-        plgpu.SMEM((c, block_q, block_k), dtype, transforms=tiled) if interpret else None,
+        plgpu.SMEM((walkers, h, block_k), dtype) if interpret else None,
+        plgpu.SMEM((walkers, block_q, block_k), dtype, transforms=tiled) if interpret else None,
         plgpu.Barrier(num_barriers=c),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
     threads = {}
-    if consumers:
-        scratch += [plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)] * 2
+    if consumers:  # a slot is released by every consumer, or (split keys) by its own
+        arrivals = 1 if split_keys else consumers
+        scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)] * 2
         threads = {"num_threads": consumers + 1, "thread_name": "wg"}
+    if split_keys:  # the other consumers' running (acc, max, sum), and their arrival
+        scratch += [
+            plgpu.SMEM((consumers - 1, block_q, h), jnp.float32),
+            plgpu.SMEM((consumers - 1, 2, block_q), jnp.float32),
+            plgpu.Barrier(num_arrivals=consumers - 1),
+        ]
     return _shared(
         plgpu.kernel(
             body,
@@ -578,11 +672,42 @@ class QueryBlock(NamedTuple):
     barrier: object
 
 
+class Walkers(NamedTuple):
+    """A program's pieces, shared by its warpgroup arrangements: the K and V copies of key
+    block j, the query copy, the walk over key blocks and the output write."""
+
+    fetch_keys: Callable
+    fetch_values: Callable
+    load_queries: Callable
+    walk: Callable
+    finish: Callable
+
+
+def _nothing(*_) -> None:
+    """A walk hook that does nothing."""
+
+
+def _load_wgmma(ref, interpret: bool) -> jax.Array:
+    """An fp32 [Q, H] block of shared memory in the wgmma accumulator's register layout."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+
 def _shared_bytes(
-    block_q: int, block_k: int, h: int, stages: int, consumers: int, dtype: jnp.dtype
+    block_q: int,
+    block_k: int,
+    h: int,
+    stages: int,
+    consumers: int,
+    split_keys: bool,
+    dtype: jnp.dtype,
 ) -> int:
-    """Shared memory of one program on the GPU: its query blocks and the K/V slots."""
+    """Shared memory of one program on the GPU: its query blocks, the K/V slots and (split
+    keys) the other consumers' fp32 softmax states."""
     size = jnp.dtype(dtype).itemsize
+    if split_keys:
+        return (block_q + 2 * stages * block_k) * h * size + (consumers - 1) * block_q * (h + 2) * 4
     return (max(consumers, 1) * block_q + 2 * stages * block_k) * h * size
 
 

@@ -167,6 +167,8 @@ def test_flash_attention_declines_what_it_cannot_run():
         fa.flash_attention(q[:, :64], k, k, consumers=2, interpret=True)
     with pytest.raises(ValueError, match="does not apply"):
         fa.flash_attention(q, k, k, consumers=3, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):  # 2 consumers, 3 slots
+        fa.flash_attention(q, k, k, consumers=2, stages=3, split_keys=True, interpret=True)
     big_q, big_k = (
         jnp.zeros((1, 256, 8, 128), jnp.bfloat16),
         jnp.zeros((1, 512, 2, 128), jnp.bfloat16),
@@ -228,14 +230,24 @@ def test_flash_decode_matches_the_reference(n, kv_heads, h, s):
     assert (np.asarray(out)[1] == 0).all()
 
 
-def test_flash_decode_with_a_producer_warpgroup_matches_the_reference():
-    """The decode walk with its copies issued by a producer warpgroup (``consumers=1``), 3
-    slots over rows of 4 key blocks, ragged lengths and an empty row."""
-    q, k, v = _inputs(7, 3, 1, 256, 8, 2, 64, jnp.float32)
-    lengths = jnp.asarray([256, 0, 131], jnp.int32)
-    walk = partial(fa.flash_decode_attention, block_k=64, stages=3, consumers=1)
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {"stages": 3, "consumers": 1},
+        {"stages": 2, "consumers": 2, "split_keys": True},
+        {"stages": 4, "consumers": 2, "split_keys": True},
+    ],
+)
+def test_flash_decode_with_a_producer_warpgroup_matches_the_reference(tuning):
+    """The decode walk with its copies issued by a producer warpgroup: one consumer, or two
+    taking turns over the key blocks and merging (an odd and an even number of blocks, a
+    row of one block: the second consumer walks none), 3-4 slots over rows of 4 key blocks,
+    ragged lengths and an empty row."""
+    q, k, v = _inputs(7, 4, 1, 256, 8, 2, 64, jnp.float32)
+    lengths = jnp.asarray([256, 0, 131, 9], jnp.int32)
+    walk = partial(fa.flash_decode_attention, block_k=64, **tuning)
     out = jax.jit(partial(walk, interpret=not ON_GPU))(q, k, v, lengths)
-    ref = _reference(q, k, v, jnp.ones(3, jnp.int32), lengths, causal=False)
+    ref = _reference(q, k, v, jnp.ones(4, jnp.int32), lengths, causal=False)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert (np.asarray(out)[1] == 0).all()
 
@@ -264,7 +276,14 @@ def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-@pytest.mark.parametrize("tuning", [{}, {"stages": 3, "consumers": 1}])
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {},
+        {"stages": 3, "consumers": 1},
+        {"block_k": 64, "stages": 4, "consumers": 2, "split_keys": True},
+    ],
+)
 def test_flash_decode_on_gpu_matches_the_reference(tuning):
     q, k, v = _inputs(12, 64, 1, 1024, 32, 8, 128, jnp.bfloat16)
     lengths = jnp.asarray(np.random.default_rng(3).integers(0, 1025, 64), jnp.int32)
