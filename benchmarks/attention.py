@@ -22,6 +22,8 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
 - ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
+- ``pallas_flash_headmajor`` / ``cudnn_headmajor`` the same decode over K/V stored head-major
+  ([B, K, S, H], torch's layout; each kv head of a row as a row of its own),
 - ``xla`` the reference as the engine runs it,
 - ``cudnn_paged`` cuDNN's paged attention (``spark_jax.attention.cache_attention``) over the
   same K/V laid out in 16-key pages of a shuffled pool, and ``gather_cudnn`` what the batching
@@ -171,6 +173,10 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                 for keys, stages in ((128, 2), (64, 2), (64, 4))
             },
             "cudnn": cudnn,
+            "pallas_flash_headmajor": _head_major(
+                case, partial(_pallas_flash_decode, interpret=not ON_GPU)
+            ),
+            "cudnn_headmajor": _head_major(case, partial(_cudnn, causal=False)) if ON_GPU else None,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "pallas_paged_flash": _paged(case, partial(_pallas_paged_flash, interpret=not ON_GPU)),
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
@@ -243,6 +249,24 @@ def _paged(case: Case, attend: Callable[..., jax.Array]) -> Impl:
         return attend(q, k_pages, v_pages, lengths)
 
     run.operands = (pool(k), pool(v))  # type: ignore[attr-defined]
+    return run
+
+
+def _head_major(case: Case, attend: Impl) -> Impl:
+    """``attend`` over the case's K/V stored head-major ([B, K, S, H], each row's kv head
+    contiguous, as torch lays it out) instead of the engine's [B, S, K, H]: the kv heads
+    become rows of one kv head each (``run.operands`` [B*K, S, 1, H]), q [B*K, 1, G, H]."""
+    _, k, v, _ = inputs(case)
+    group = case.n // case.kv_heads
+
+    def run(q, k_rows, v_rows, lengths):
+        rows = q.reshape(case.b * case.kv_heads, 1, group, case.h)
+        out = attend(rows, k_rows, v_rows, jnp.repeat(lengths, case.kv_heads))
+        return out.reshape(q.shape)
+
+    run.operands = tuple(  # type: ignore[attr-defined]
+        x.transpose(0, 2, 1, 3).reshape(case.b * case.kv_heads, case.s, 1, case.h) for x in (k, v)
+    )
     return run
 
 

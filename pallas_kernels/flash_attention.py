@@ -600,11 +600,11 @@ def _flash_kernel(
                 stats_smem.at[wg - 1, 0][...] = row_max
                 stats_smem.at[wg - 1, 1][...] = row_sum
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(merged.at[0])
+                plgpu.barrier_arrive(merged)
 
             @pl.when(wg == 0)
             def _merge():
-                plgpu.barrier_wait(merged.at[0])
+                plgpu.barrier_wait(merged)
                 total_acc, total_max, total_sum = acc, row_max, row_sum
                 reduced = plgpu.Layout.WGMMA.reduce(1)
                 for c in range(consumers - 1):
