@@ -17,7 +17,8 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   producer issuing the K/V copies and C consumers of 64 query rows each (``consumers``),
   L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer), and
   ``pallas_flash_ws2split_k<L>_s<stages>`` with two consumers taking turns over the key
-  blocks (``split_keys``),
+  blocks (``split_keys``); ``_overlap``: each block's scores started before the previous
+  block's softmax (``overlap``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -172,6 +173,18 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                 )
                 for keys, stages in ((128, 2), (64, 2), (64, 4))
             },
+            "pallas_flash_ws2split_k64_s2_overlap": partial(
+                _pallas_flash_decode,
+                interpret=not ON_GPU,
+                block_k=64,
+                stages=2,
+                consumers=2,
+                split_keys=True,
+                overlap=True,
+            ),
+            "pallas_flash_k128_s3_overlap": partial(
+                _pallas_flash_decode, interpret=not ON_GPU, block_k=128, stages=3, overlap=True
+            ),
             "cudnn": cudnn,
             "pallas_flash_headmajor": _head_major(
                 case, partial(_pallas_flash_decode, interpret=not ON_GPU)
@@ -196,7 +209,18 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                 stages=stages,
                 consumers=consumers,
             )
-            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3), (2, 64, 4), (1, 128, 3))
+            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3))
+        },
+        **{
+            f"pallas_ws{consumers}_k{keys}_s{stages}_overlap": partial(
+                _pallas_prefill,
+                interpret=not ON_GPU,
+                block_k=keys,
+                stages=stages,
+                consumers=consumers,
+                overlap=True,
+            )
+            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3), (0, 64, 3), (0, 128, 3))
         },
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,

@@ -134,6 +134,7 @@ def flash_attention(
     stages: int = 2,
     consumers: int = 0,
     split_keys: bool = False,
+    overlap: bool = False,
     block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -154,7 +155,10 @@ def flash_attention(
     T). With ``split_keys`` the 2 consumers share one query block instead and take turns over
     its key blocks, merging their softmax states at the end: for few query rows against many
     keys (the decode walk), where one warpgroup's softmax between its copies is the limit;
-    ``consumers`` must then divide ``stages``.
+    ``consumers`` must then divide ``stages``. ``overlap`` starts each key block's scores
+    before the previous block's softmax (FA3's overlap within a warpgroup: the tensor cores
+    and the softmax's instructions run at once, at the cost of a second score block's
+    registers).
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -197,8 +201,8 @@ def flash_attention(
     query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, split_keys, q.dtype,
-        causal, scale, page_size, interpret,
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, split_keys, overlap,
+        q.dtype, causal, scale, page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
 
@@ -231,13 +235,14 @@ def flash_decode_attention(
     stages: int = 2,
     consumers: int = 0,
     split_keys: bool = False,
+    overlap: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
     int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
     (default 128 keys where they tile the rows), ``stages``, ``consumers`` (0 or 1; 2 with
-    ``split_keys``) and ``split_keys`` as in ``flash_attention``.
+    ``split_keys``), ``split_keys`` and ``overlap`` as in ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -269,6 +274,7 @@ def flash_decode_attention(
         stages=stages,
         consumers=consumers,
         split_keys=split_keys,
+        overlap=overlap,
         block_table=block_table,
         interpret=interpret,
     )
@@ -299,6 +305,7 @@ def _flash_kernel(
     stages: int,
     consumers: int,
     split_keys: bool,
+    overlap: bool,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -401,20 +408,17 @@ def _flash_kernel(
                     seen &= keys <= rows + (offset + block.q_start)
                 return seen
 
-            def step(i, carry, masked: bool):
-                acc, row_max, row_sum = carry
-                j = first + i * stride
+            def issue_qk(j, scores_ref):
+                """Waits for K block j, starts S = Q K^T into ``scores_ref`` (asynchronous)."""
                 slot = lax.rem(j, stages)
-                before_step(j)
                 plgpu.barrier_wait(k_barriers.at[slot])
+                keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
+                plgpu.wgmma(scores_ref, block.q, keys_t)
 
-                def qk(acc_ref):
-                    keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
-                    plgpu.wgmma(acc_ref, block.q, keys_t)
-                    return acc_ref[...]
-
-                scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
-                after_keys(slot)
+            def softmax_pv(j, scores, carry, masked: bool):
+                """The online softmax of block j's scores, then acc += P V_j."""
+                acc, row_max, row_sum = carry
+                slot = lax.rem(j, stages)
                 scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
                 if masked:
                     scores = jnp.where(visible(j), scores, -jnp.inf)
@@ -425,8 +429,38 @@ def _flash_kernel(
                 acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
                 plgpu.barrier_wait(v_barriers.at[slot])
                 acc = _add_pv(acc, probs.astype(dtype), v_smem.at[slot], block.p, interpret)
-                after_values(slot)
                 return acc, new_max, row_sum
+
+            def step(i, carry, masked: bool):
+                j = first + i * stride
+                before_step(j)
+
+                def qk(scores_ref):
+                    issue_qk(j, scores_ref)
+                    return scores_ref[...]
+
+                scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+                after_keys(lax.rem(j, stages))
+                carry = softmax_pv(j, scores, carry, masked)
+                after_values(lax.rem(j, stages))
+                return carry
+
+            def overlapped_step(i, carry, masked: bool):
+                """Block j's softmax and P V while the tensor cores compute block j + stride's
+                scores (FA3's overlap within a warpgroup); carries the scores one block ahead."""
+                *carry, scores = carry
+                j, ahead = first + i * stride, first + (i + 1) * stride
+                before_step(j)
+
+                def overlap(scores_ref):
+                    pl.when(i + 1 < total)(lambda: issue_qk(ahead, scores_ref))
+                    state = softmax_pv(j, scores, carry, masked)
+                    return (*state, scores_ref[...])
+
+                *carry, scores = pl.run_scoped(overlap, plgpu.ACC((block_q, block_k), jnp.float32))
+                after_values(lax.rem(j, stages))
+                pl.when(i + 1 < total)(lambda: after_keys(lax.rem(ahead, stages)))
+                return (*carry, scores)
 
             def count(end):  # the walk's steps below block `end`
                 return lax.div(jnp.maximum(end - first, 0) + stride - 1, stride)
@@ -438,8 +472,20 @@ def _flash_kernel(
                 _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
             )
             full, total = count(block.full_steps), count(block.num_steps)
-            carry = lax.fori_loop(0, full, lambda i, c: step(i, c, masked=False), carry)
-            return lax.fori_loop(full, total, lambda i, c: step(i, c, masked=True), carry)
+            if overlap:
+
+                def first_scores(scores_ref):
+                    pl.when(total > 0)(lambda: issue_qk(first, scores_ref))
+                    return scores_ref[...]
+
+                scores = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_k), jnp.float32))
+                pl.when(total > 0)(lambda: after_keys(lax.rem(first, stages)))
+                carry, walk_step = (*carry, scores), overlapped_step
+            else:
+                walk_step = step
+            carry = lax.fori_loop(0, full, lambda i, c: walk_step(i, c, masked=False), carry)
+            carry = lax.fori_loop(full, total, lambda i, c: walk_step(i, c, masked=True), carry)
+            return carry[:3]
 
         def finish(block: QueryBlock, acc, row_sum):
             """The normalised output block, through the query block's slot, to GMEM."""

@@ -24,9 +24,21 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
 
 
-@partial(jax.jit, static_argnames=["causal", "block_q", "block_k", "stages", "consumers"])
+@partial(
+    jax.jit, static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "overlap"]
+)
 def _kernel(
-    q, k, v, query_lengths, key_lengths, causal, block_q=64, block_k=64, stages=2, consumers=0
+    q,
+    k,
+    v,
+    query_lengths,
+    key_lengths,
+    causal,
+    block_q=64,
+    block_k=64,
+    stages=2,
+    consumers=0,
+    overlap=False,
 ):
     return fa.flash_attention(
         q,
@@ -39,6 +51,7 @@ def _kernel(
         block_k=block_k,
         stages=stages,
         consumers=consumers,
+        overlap=overlap,
         interpret=not ON_GPU,
     )
 
@@ -97,17 +110,26 @@ def test_deeper_pipelines_give_the_same_attention(case, stages):
 
 
 @pytest.mark.parametrize(
-    "case, consumers, stages",
-    [("causal_gqa1", 2, 2), ("causal_gqa4_prefix", 2, 2), ("cross_gqa4", 1, 3)],
+    "case, consumers, stages, overlap",
+    [
+        ("causal_gqa1", 2, 2, False),
+        ("causal_gqa4_prefix", 2, 2, False),
+        ("cross_gqa4", 1, 3, False),
+        ("causal_gqa4_prefix", 2, 2, True),
+        ("causal_gqa4_prefix", 0, 3, True),
+        ("causal_gqa1", 0, 2, True),
+    ],
 )
-def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages):
+def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages, overlap):
     """A producer warpgroup with one or two consumers: two query blocks of one program that
     walk different numbers of key blocks (causal, ragged: the shorter one releases the
-    slots it does not read), an idle row, and more key blocks than slots."""
+    slots it does not read), an idle row, and more key blocks than slots; and the walk with
+    each block's scores started before the previous block's softmax (``overlap``), with a
+    producer or without (0 consumers)."""
     t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
     q, k, v = _inputs(4, 2, t, s, n, kv_heads, h, jnp.float32)
     q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
-    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers)
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, overlap)
     ref = _reference(q, k, v, q_len, k_len, causal)
     assert _relative_error(out, ref) <= 1e-5
     padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]
@@ -184,16 +206,23 @@ def test_flash_attention_declines_what_it_cannot_run():
     [(True, 1024, 1024, ([1024, 700], [1024, 900])), (False, 256, 1024, ([256, 31], [977, 400]))],
 )
 @pytest.mark.parametrize(
-    "dtype, stages, consumers",
-    [(jnp.bfloat16, 2, 0), (jnp.float16, 2, 0), (jnp.bfloat16, 3, 0), (jnp.bfloat16, 2, 2)],
+    "dtype, stages, consumers, overlap",
+    [
+        (jnp.bfloat16, 2, 0, False),
+        (jnp.float16, 2, 0, False),
+        (jnp.bfloat16, 3, 0, False),
+        (jnp.bfloat16, 2, 2, False),
+        (jnp.bfloat16, 2, 2, True),
+        (jnp.bfloat16, 3, 0, True),
+    ],
 )
 def test_flash_attention_on_gpu_matches_the_reference(
-    causal, t, s, lengths, dtype, stages, consumers
+    causal, t, s, lengths, dtype, stages, consumers, overlap
 ):
     q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
     q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
     out = fa.flash_attention(
-        q, k, v, q_len, k_len, causal=causal, stages=stages, consumers=consumers
+        q, k, v, q_len, k_len, causal=causal, stages=stages, consumers=consumers, overlap=overlap
     )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-2
@@ -236,6 +265,7 @@ def test_flash_decode_matches_the_reference(n, kv_heads, h, s):
         {"stages": 3, "consumers": 1},
         {"stages": 2, "consumers": 2, "split_keys": True},
         {"stages": 4, "consumers": 2, "split_keys": True},
+        {"stages": 2, "consumers": 2, "split_keys": True, "overlap": True},
     ],
 )
 def test_flash_decode_with_a_producer_warpgroup_matches_the_reference(tuning):
