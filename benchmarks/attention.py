@@ -23,6 +23,9 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
 - ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
+- ``stream_k<L>_s<stages>`` the ceiling of the decode walk's structure: its K/V copies alone
+  (one program per kv head and row, L-key blocks by TMA into ``stages`` slots), no math;
+  its check is void (it returns q), its TB/s is the figure,
 - ``pallas_flash_headmajor`` / ``cudnn_headmajor`` the same decode over K/V stored head-major
   ([B, K, S, H], torch's layout; each kv head of a row as a row of its own),
 - ``xla`` the reference as the engine runs it,
@@ -67,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (
+    chain_seconds,
     copy_bandwidth,
     emit,
     matmul_rate,
@@ -196,6 +200,12 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "gather_cudnn": _paged(case, _gather_cudnn) if ON_GPU else None,
             "xla": xla,
             "triton_gqa": partial(_triton_gqa, scale=scale),
+            **{
+                f"stream_k{keys}_s{stages}": partial(
+                    _stream, block_k=keys, stages=stages, interpret=not ON_GPU
+                )
+                for keys, stages in ((128, 2), (128, 3), (64, 4))
+            },
         }
     return {
         "pallas": partial(_pallas_prefill, interpret=not ON_GPU),
@@ -352,6 +362,61 @@ def _mosaic_fa3(q, k, v, lengths) -> jax.Array:
     return out.astype(dtype)
 
 
+def _stream(q, k, v, lengths, block_k: int, stages: int, interpret: bool) -> jax.Array:
+    """The decode walk's memory side alone: one program per (kv head, row) copies every K/V
+    block of its row into ``stages`` shared-memory slots by TMA, as the flash walk does, and
+    computes nothing: the bandwidth ceiling of that program structure. Returns q (so the
+    check passes: this measures copies, not attention) after a dependency on the copies."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from pallas_kernels.decode_attention import _interpret_params, _smem_transforms
+
+    b, s, kv_heads, h = k.shape
+    steps = s // block_k
+    tiled = _smem_transforms(k.dtype)
+
+    def body(k_gmem, v_gmem, out_gmem, k_smem, v_smem, k_ready, v_ready):
+        head, row = lax.axis_index("n"), lax.axis_index("b")
+
+        def fetch(step):
+            slot, keys = lax.rem(step, stages), pl.ds(step * block_k, block_k)
+            plgpu.copy_gmem_to_smem(k_gmem.at[row, keys, head], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_gmem.at[row, keys, head], v_smem.at[slot], v_ready.at[slot])
+
+        for ahead in range(min(stages - 1, steps)):
+            fetch(ahead)
+
+        @pl.loop(0, steps)
+        def _walk(j):
+            @pl.when(j + stages - 1 < steps)
+            def _():
+                fetch(j + stages - 1)
+
+            plgpu.barrier_wait(k_ready.at[lax.rem(j, stages)])
+            plgpu.barrier_wait(v_ready.at[lax.rem(j, stages)])
+
+        plgpu.copy_smem_to_gmem(k_smem.at[0, pl.ds(0, 64)], out_gmem.at[row, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    run = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((b, kv_heads, 64, h), k.dtype),
+        scratch_types=[
+            plgpu.SMEM((stages, block_k, h), k.dtype, transforms=tiled),
+            plgpu.SMEM((stages, block_k, h), k.dtype, transforms=tiled),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        ],
+        grid=(kv_heads, b),
+        grid_names=("n", "b"),
+        interpret=_interpret_params() if interpret else None,
+    )
+    touched = run(k, v)
+    return q + (touched[:, :1, :1, :1].astype(q.dtype) * 0).reshape(b, 1, 1, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Check and time.
 
@@ -459,9 +524,14 @@ def run_case(case: Case, iters: int, only: list[str] | None = None) -> dict[str,
             out = jax.block_until_ready(fn(q, *kv, lengths)).astype(jnp.float32)
             rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             entry: dict[str, Any] = {"rel_error": rel, "ok": bool(rel <= tolerance)}
+            if name.startswith("stream"):  # copies only: no attention to check
+                entry = {"check": "none: copies only"}
             call = partial(fn, q, *kv, lengths)
-            seconds = median_seconds(call, warmup=1, iters=iters)
+            # Back to back, one sync per repeat: the device's time (as torch's CUDA events
+            # measure its peer), not the host's launch and sync (kept as ``us_synced``).
+            seconds, _, _ = chain_seconds(lambda _, c=call: c(), None, iters, repeats=3, warmup=1)
             entry["us"] = seconds * 1e6
+            entry["us_synced"] = median_seconds(call, warmup=0, iters=iters) * 1e6
             unit = "tflop_s" if case.kind == "prefill" else "tb_s"
             entry[unit] = case.work() / seconds / 1e12
         except Exception as error:  # a peer that fails records why, the run goes on
