@@ -18,7 +18,8 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer), and
   ``pallas_flash_ws2split_k<L>_s<stages>`` with two consumers taking turns over the key
   blocks (``split_keys``); ``_overlap``: each block's scores started before the previous
-  block's softmax (``overlap``),
+  block's softmax (``overlap``); ``_pingpong``: the two consumers take turns on the tensor
+  cores (``pingpong``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -232,6 +233,20 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             )
             for consumers, keys, stages in ((2, 128, 2), (2, 64, 3), (0, 64, 3), (0, 128, 3))
         },
+        **{
+            f"pallas_ws2_k{keys}_s{stages}_pingpong": partial(
+                _pallas_prefill,
+                interpret=not ON_GPU,
+                block_k=keys,
+                stages=stages,
+                consumers=2,
+                pingpong=True,
+            )
+            for keys, stages in ((128, 2), (64, 3), (64, 4))
+        },
+        "pallas_ws2_k128_s3": partial(
+            _pallas_prefill, interpret=not ON_GPU, block_k=128, stages=3, consumers=2
+        ),
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,
         "triton_mha": partial(_triton_mha, scale=scale),

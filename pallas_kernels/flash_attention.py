@@ -135,6 +135,7 @@ def flash_attention(
     consumers: int = 0,
     split_keys: bool = False,
     overlap: bool = False,
+    pingpong: bool = False,
     block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -158,7 +159,8 @@ def flash_attention(
     ``consumers`` must then divide ``stages``. ``overlap`` starts each key block's scores
     before the previous block's softmax (FA3's overlap within a warpgroup: the tensor cores
     and the softmax's instructions run at once, at the cost of a second score block's
-    registers).
+    registers). ``pingpong`` (2 consumers over their own query blocks) has the consumers take
+    turns on the tensor cores, one's softmax under the other's GEMMs (FA3's schedule).
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -186,10 +188,11 @@ def flash_attention(
         or consumers not in (0, 1, 2)
         or t % rows_per_program
         or (split_keys and (consumers != 2 or stages % consumers))
+        or (pingpong and (consumers != 2 or split_keys or overlap))
     ):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
-            f"{block_k=}, {stages=}, {consumers=}, {split_keys=}"
+            f"{block_k=}, {stages=}, {consumers=}, {split_keys=}, {overlap=}, {pingpong=}"
         )
     smem = _shared_bytes(block_q, block_k, h, stages, consumers, split_keys, q.dtype)
     if not interpret and smem > _SMEM_LIMIT:
@@ -202,7 +205,7 @@ def flash_attention(
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
         b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, split_keys, overlap,
-        q.dtype, causal, scale, page_size, interpret,
+        pingpong, q.dtype, causal, scale, page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
 
@@ -306,6 +309,7 @@ def _flash_kernel(
     consumers: int,
     split_keys: bool,
     overlap: bool,
+    pingpong: bool,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -340,7 +344,8 @@ def _flash_kernel(
             *refs,
         ) = refs
         # Warp-specialised: per slot, the consumers' K and V releases; split keys: the other
-        # consumers' running acc f32[C-1, Q, H], (max, sum) f32[C-1, 2, Q], their arrival.
+        # consumers' running acc f32[C-1, Q, H], (max, sum) f32[C-1, 2, Q], their arrival;
+        # ping-pong: the barrier two consumers take turns on the tensor cores with.
         released, partials = (refs[:2], refs[2:]) if consumers else ((), ())
         head, row = lax.axis_index("n"), lax.axis_index("b")
         program_q = lax.axis_index("q")
@@ -394,9 +399,12 @@ def _flash_kernel(
             queries = q_gmem.at[row, pl.ds(block.q_start, block_q), head]
             plgpu.copy_gmem_to_smem(queries, block.q, block.barrier)
 
-        def walk(block: QueryBlock, first, stride, before_step, after_keys, after_values):
+        def walk(
+            block: QueryBlock, first, stride, before_step, after_keys, after_values, turns=None
+        ):
             """Key blocks first, first + stride, ... of the block's walk (the copies issued
-            elsewhere) -> the running (acc, row max, row sum) over them."""
+            elsewhere) -> the running (acc, row max, row sum) over them. ``turns``: the
+            ping-pong barrier two consumers hand the tensor cores over with (or None)."""
 
             def visible(j):
                 """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
@@ -416,7 +424,8 @@ def _flash_kernel(
                 plgpu.wgmma(scores_ref, block.q, keys_t)
 
             def softmax_pv(j, scores, carry, masked: bool):
-                """The online softmax of block j's scores, then acc += P V_j."""
+                """The online softmax of block j's scores, then acc += P V_j (with ping-pong,
+                once the other consumer's softmax is done: the tensor cores are ours)."""
                 acc, row_max, row_sum = carry
                 slot = lax.rem(j, stages)
                 scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
@@ -427,8 +436,16 @@ def _flash_kernel(
                 probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
                 row_sum = row_sum * rescale + probs.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+                probs = probs.astype(dtype)
+                if turns is not None:  # the softmax done before the turn is handed over
+                    acc, new_max, row_sum, probs = lax.optimization_barrier(
+                        (acc, new_max, row_sum, probs)
+                    )
+                    plgpu.barrier_arrive(turns)
                 plgpu.barrier_wait(v_barriers.at[slot])
-                acc = _add_pv(acc, probs.astype(dtype), v_smem.at[slot], block.p, interpret)
+                if turns is not None:
+                    plgpu.barrier_wait(turns)
+                acc = _add_pv(acc, probs, v_smem.at[slot], block.p, interpret)
                 return acc, new_max, row_sum
 
             def step(i, carry, masked: bool):
@@ -437,6 +454,8 @@ def _flash_kernel(
 
                 def qk(scores_ref):
                     issue_qk(j, scores_ref)
+                    if turns is not None:  # the other consumer's turn on the tensor cores
+                        _take_turn(turns)
                     return scores_ref[...]
 
                 scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
@@ -506,7 +525,8 @@ def _flash_kernel(
             _split_keys(block, released, partials, kernels)
         else:
             blocks = [query_block(c) for c in range(consumers)]
-            _split_queries(blocks, (k_barriers, v_barriers), released, kernels)
+            turns = partials[0] if pingpong else None
+            _split_queries(blocks, (k_barriers, v_barriers), released, turns, kernels)
 
     def _single_warpgroup(block: QueryBlock, kernels: Walkers):
         """One warpgroup issues the copies of block j + stages - 1 at step j, then computes."""
@@ -565,7 +585,7 @@ def _flash_kernel(
         if consumers == 2 and not interpret:
             plgpu.set_max_registers(232, action="increase")
 
-    def _split_queries(blocks: list[QueryBlock], copied, released, kernels: Walkers):
+    def _split_queries(blocks: list[QueryBlock], copied, released, turns, kernels: Walkers):
         """Warpgroups 0..C-1 consume, each its own query block over every key block it sees;
         warpgroup C produces. A slot is refilled once every consumer released it."""
         keys_copied, values_copied = copied
@@ -585,7 +605,7 @@ def _flash_kernel(
         for c, block in enumerate(blocks):
 
             @pl.when(wg == c)
-            def _consumer(block=block):
+            def _consumer(block=block, c=c):
                 _consume()
 
                 @pl.when(block.num_steps > 0)
@@ -593,6 +613,11 @@ def _flash_kernel(
                     kernels.load_queries(block)
                     plgpu.barrier_wait(block.barrier)
 
+                # Ping-pong: consumer 1 starts a turn behind, consumer 0 ends one behind;
+                # between, each step hands the turn over twice (after QK is issued, after
+                # the softmax), so one consumer's softmax runs under the other's GEMMs.
+                if turns is not None and c == 1:
+                    _take_turn(turns)
                 acc, _, row_sum = kernels.walk(
                     block,
                     0,
@@ -600,14 +625,21 @@ def _flash_kernel(
                     _nothing,
                     lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
                     lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
+                    turns,
                 )
-                kernels.finish(block, acc, row_sum)
 
                 # Blocks another consumer still reads: released unread, so the producer
-                # can refill their slots.
+                # can refill their slots (and, with ping-pong, their turns passed on).
                 @pl.loop(block.num_steps, program_steps)
                 def _(step):
+                    if turns is not None:
+                        _take_turn(turns)
+                        _take_turn(turns)
                     release_unread(lax.rem(step, stages))
+
+                if turns is not None and c == 0:
+                    _take_turn(turns)
+                kernels.finish(block, acc, row_sum)
 
     def _split_keys(block: QueryBlock, released, partials, kernels: Walkers):
         """Warpgroups 0..C-1 consume one query block, consumer c the key blocks j = c mod C
@@ -682,6 +714,8 @@ def _flash_kernel(
         arrivals = 1 if split_keys else consumers
         scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)] * 2
         threads = {"num_threads": consumers + 1, "thread_name": "wg"}
+    if pingpong:  # both consumers arrive at each hand-over
+        scratch += [plgpu.Barrier(num_arrivals=2)]
     if split_keys:  # the other consumers' running (acc, max, sum), and their arrival
         scratch += [
             plgpu.SMEM((consumers - 1, block_q, h), jnp.float32),
@@ -731,6 +765,12 @@ class Walkers(NamedTuple):
 
 def _nothing(*_) -> None:
     """A walk hook that does nothing."""
+
+
+def _take_turn(turns) -> None:
+    """Arrives at the ping-pong barrier and waits for the other consumer to arrive too."""
+    plgpu.barrier_arrive(turns)
+    plgpu.barrier_wait(turns)
 
 
 def _load_wgmma(ref, interpret: bool) -> jax.Array:

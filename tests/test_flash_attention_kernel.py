@@ -25,7 +25,8 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
 
 
 @partial(
-    jax.jit, static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "overlap"]
+    jax.jit,
+    static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "overlap", "pingpong"],
 )
 def _kernel(
     q,
@@ -39,6 +40,7 @@ def _kernel(
     stages=2,
     consumers=0,
     overlap=False,
+    pingpong=False,
 ):
     return fa.flash_attention(
         q,
@@ -52,6 +54,7 @@ def _kernel(
         stages=stages,
         consumers=consumers,
         overlap=overlap,
+        pingpong=pingpong,
         interpret=not ON_GPU,
     )
 
@@ -110,26 +113,33 @@ def test_deeper_pipelines_give_the_same_attention(case, stages):
 
 
 @pytest.mark.parametrize(
-    "case, consumers, stages, overlap",
+    "case, consumers, stages, overlap, pingpong",
     [
-        ("causal_gqa1", 2, 2, False),
-        ("causal_gqa4_prefix", 2, 2, False),
-        ("cross_gqa4", 1, 3, False),
-        ("causal_gqa4_prefix", 2, 2, True),
-        ("causal_gqa4_prefix", 0, 3, True),
-        ("causal_gqa1", 0, 2, True),
+        ("causal_gqa1", 2, 2, False, False),
+        ("causal_gqa4_prefix", 2, 2, False, False),
+        ("cross_gqa4", 1, 3, False, False),
+        ("causal_gqa4_prefix", 2, 2, True, False),
+        ("causal_gqa4_prefix", 0, 3, True, False),
+        ("causal_gqa1", 0, 2, True, False),
+        ("causal_gqa4_prefix", 2, 2, False, True),
+        ("causal_gqa1", 2, 2, False, True),
     ],
 )
-def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages, overlap):
+def test_warp_specialized_programs_give_the_same_attention(
+    case, consumers, stages, overlap, pingpong
+):
     """A producer warpgroup with one or two consumers: two query blocks of one program that
     walk different numbers of key blocks (causal, ragged: the shorter one releases the
     slots it does not read), an idle row, and more key blocks than slots; and the walk with
     each block's scores started before the previous block's softmax (``overlap``), with a
-    producer or without (0 consumers)."""
+    producer or without (0 consumers); and two consumers taking turns on the tensor cores
+    (``pingpong``), where one walks fewer blocks or none."""
     t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
     q, k, v = _inputs(4, 2, t, s, n, kv_heads, h, jnp.float32)
     q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
-    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, overlap)
+    out = _kernel(
+        q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, overlap, pingpong
+    )
     ref = _reference(q, k, v, q_len, k_len, causal)
     assert _relative_error(out, ref) <= 1e-5
     padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]
@@ -189,6 +199,8 @@ def test_flash_attention_declines_what_it_cannot_run():
         fa.flash_attention(q[:, :64], k, k, consumers=2, interpret=True)
     with pytest.raises(ValueError, match="does not apply"):
         fa.flash_attention(q, k, k, consumers=3, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):  # ping-pong takes 2 consumers
+        fa.flash_attention(q, k, k, consumers=1, pingpong=True, interpret=True)
     with pytest.raises(ValueError, match="does not apply"):  # 2 consumers, 3 slots
         fa.flash_attention(q, k, k, consumers=2, stages=3, split_keys=True, interpret=True)
     big_q, big_k = (
@@ -214,6 +226,7 @@ def test_flash_attention_declines_what_it_cannot_run():
         (jnp.bfloat16, 2, 2, False),
         (jnp.bfloat16, 2, 2, True),
         (jnp.bfloat16, 3, 0, True),
+        (jnp.bfloat16, 2, 2, "pingpong"),
     ],
 )
 def test_flash_attention_on_gpu_matches_the_reference(
@@ -221,8 +234,18 @@ def test_flash_attention_on_gpu_matches_the_reference(
 ):
     q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
     q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
+    pingpong, overlap = overlap == "pingpong", overlap is True
     out = fa.flash_attention(
-        q, k, v, q_len, k_len, causal=causal, stages=stages, consumers=consumers, overlap=overlap
+        q,
+        k,
+        v,
+        q_len,
+        k_len,
+        causal=causal,
+        stages=stages,
+        consumers=consumers,
+        overlap=overlap,
+        pingpong=pingpong,
     )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, _reference(q, k, v, q_len, k_len, causal)) <= 1e-2
