@@ -35,7 +35,9 @@ before the run (so an output slot the kernel never writes shows up as NaN), then
   engine did before it: gather the pages into rows, then ``cudnn`` (decode cases, GPU only),
 - ``pallas_paged`` our paged kernel (``pallas_kernels/paged_attention.py``) over the same pool,
   in place, 256-key chunks of 16 pages (decode cases; interpreted off the GPU), and
-  ``pallas_paged_flash`` the flash walk over the same pool (8 pages per 128-key block),
+  ``pallas_paged_flash`` the flash walk over the same pool (8 pages per 128-key block;
+  ``_s3`` 3 stages, ``_ws_s3`` with a producer warpgroup, ``_k64_s4`` 64-key blocks in 4
+  stages, ``_ws2split`` two consumers taking turns over the key blocks),
 - ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
   (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
   FA3 (``attention_mgpu``, GPU only; it applies no softmax scale, so its timing includes
@@ -197,6 +199,17 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "cudnn_headmajor": _head_major(case, partial(_cudnn, causal=False)) if ON_GPU else None,
             "pallas_paged": _paged(case, partial(_pallas_paged, interpret=not ON_GPU)),
             "pallas_paged_flash": _paged(case, partial(_pallas_paged_flash, interpret=not ON_GPU)),
+            **{
+                f"pallas_paged_flash_{name}": _paged(
+                    case, partial(_pallas_paged_flash, interpret=not ON_GPU, **tuning)
+                )
+                for name, tuning in (
+                    ("s3", {"stages": 3}),
+                    ("ws_s3", {"stages": 3, "consumers": 1}),
+                    ("k64_s4", {"block_k": 64, "stages": 4}),
+                    ("ws2split", {"stages": 2, "consumers": 2, "split_keys": True}),
+                )
+            },
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
             "gather_cudnn": _paged(case, _gather_cudnn) if ON_GPU else None,
             "xla": xla,
@@ -328,10 +341,10 @@ def _pallas_paged(q, k_pages, v_pages, lengths, interpret: bool) -> jax.Array:
     return paged_attention(q, k_pages.pages, v_pages.pages, table, lengths, interpret=interpret)
 
 
-def _pallas_paged_flash(q, k_pages, v_pages, lengths, interpret: bool) -> jax.Array:
+def _pallas_paged_flash(q, k_pages, v_pages, lengths, interpret: bool, **tuning) -> jax.Array:
     table = k_pages.block_table
     return flash_decode_attention(
-        q, k_pages.pages, v_pages.pages, lengths, block_table=table, interpret=interpret
+        q, k_pages.pages, v_pages.pages, lengths, block_table=table, interpret=interpret, **tuning
     )
 
 

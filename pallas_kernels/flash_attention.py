@@ -120,6 +120,18 @@ def default_block_k(h: int, s: int) -> int:
     return 128 if h == 64 and s % 128 == 0 else 64
 
 
+def prefill_tuning(q: jax.Array, k: jax.Array, interpret: bool) -> dict:
+    """The fastest configuration measured on the H200 for a prefill of these shapes: two
+    consumer warpgroups of 64 rows taking turns on the tensor cores over 128-key blocks
+    (run c6 of BENCHMARKS.md: 551 TFLOP/s at S=8192 and 433 at 4 x 2048, against 468 / 390
+    with the defaults) where T and S are multiples of 128 at head dim 128; the defaults
+    elsewhere and in the interpreter (where warpgroups are threads: slow, same results)."""
+    _, t, _, h = q.shape
+    if interpret or h != 128 or t % 128 or k.shape[1] % 128:
+        return {}
+    return {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,

@@ -359,9 +359,10 @@ def pallas_prefill_attention(
     real queries (the rest is padding, whose output is zeros). Without causality the queries'
     positions do not matter: every query is real.
     """
-    from pallas_kernels.flash_attention import flash_attention
+    from pallas_kernels.flash_attention import flash_attention, prefill_tuning
 
     t = q.shape[1]
+    interpret = jax.default_backend() != "gpu"
     if mask.causal:
         query_lengths = jnp.clip(mask.key_lengths - mask.query_positions[:, 0], 0, t)
     else:
@@ -374,7 +375,8 @@ def pallas_prefill_attention(
         mask.key_lengths,
         causal=mask.causal,
         scale=scale,
-        interpret=jax.default_backend() != "gpu",
+        interpret=interpret,
+        **prefill_tuning(q, k, interpret),
     )
 
 

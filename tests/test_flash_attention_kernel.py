@@ -365,3 +365,15 @@ def test_paged_flash_decode_on_gpu_matches_the_reference(page_size):
     ref = _reference(q, k, v, jnp.ones(b, jnp.int32), lengths, causal=False)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, ref) <= 1e-2
+
+
+def test_prefill_tuning_picks_the_measured_fastest_where_it_applies():
+    """Two ping-pong consumers over 128-key blocks where T and S are multiples of 128 at head
+    dim 128 on the GPU; the defaults in the interpreter and elsewhere (and they apply)."""
+    q, k = jnp.zeros((1, 256, 8, 128), jnp.bfloat16), jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
+    tuning = fa.prefill_tuning(q, k, interpret=False)
+    assert tuning == {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
+    assert fa._shared_bytes(64, 128, 128, 2, 2, False, jnp.bfloat16) <= fa._SMEM_LIMIT
+    assert fa.prefill_tuning(q, k, interpret=True) == {}
+    assert fa.prefill_tuning(q[:, :192], k, interpret=False) == {}
+    assert fa.prefill_tuning(q[..., :64], k[..., :64], interpret=False) == {}
