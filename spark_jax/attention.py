@@ -380,6 +380,10 @@ def pallas_prefill_attention(
     )
 
 
+# The paged walk's copies (one per page) issued by a producer warpgroup into 3 slots: 3.50
+# TB/s against 3.37 with the defaults, the dense walk 3.53 (run c7 of BENCHMARKS.md, B=64,
+# 16-key pages); the interpreter keeps the defaults (warpgroups are threads there: slow).
+PAGED_WALK_TUNING = {"stages": 3, "consumers": 1}
 _PAGED_CHUNKS = (256, 128, 64)  # keys per program of the paged kernel, largest first
 
 
@@ -419,6 +423,7 @@ def pallas_paged_attention(
             scale,
             block_table=k_cache.table_rows(slots),
             interpret=interpret,
+            **({} if interpret else PAGED_WALK_TUNING),
         )
     chunk = next(c for c in _PAGED_CHUNKS if paged_attention_applies(q, k_cache.pages, c))
     return paged_attention(

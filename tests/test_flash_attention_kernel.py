@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
+from spark_jax.attention import PAGED_WALK_TUNING
 
 ON_GPU = jax.default_backend() == "gpu"
+PAGED_WALK = PAGED_WALK_TUNING  # the engine's paged walk
 
 
 def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
@@ -348,10 +350,10 @@ def test_flash_decode_on_gpu_matches_the_reference(tuning):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_paged_flash_decode_on_gpu_matches_the_reference(page_size):
+@pytest.mark.parametrize("page_size, tuning", [(16, {}), (64, {}), (16, PAGED_WALK)])
+def test_paged_flash_decode_on_gpu_matches_the_reference(page_size, tuning):
     """The flash walk over a shuffled page pool, bf16, GQA 32/8: equal to the dense walk's
-    reference on the gathered rows."""
+    reference on the gathered rows (the defaults, and the engine's paged tuning)."""
     b, s = 64, 1024
     q, k, v = _inputs(13, b, 1, s, 32, 8, 128, jnp.bfloat16)
     lengths = jnp.asarray(np.random.default_rng(4).integers(0, s + 1, b), jnp.int32)
@@ -360,11 +362,29 @@ def test_paged_flash_decode_on_gpu_matches_the_reference(page_size):
     table = jnp.asarray(order.reshape(b, per_row), jnp.int32)
     inverse = jnp.asarray(np.argsort(order))
     k_pool, v_pool = (x.reshape(b * per_row, page_size, 8, 128)[inverse] for x in (k, v))
-    run = jax.jit(partial(fa.flash_decode_attention, block_table=table))
+    run = jax.jit(partial(fa.flash_decode_attention, block_table=table, **tuning))
     out = run(q, k_pool, v_pool, lengths)
     ref = _reference(q, k, v, jnp.ones(b, jnp.int32), lengths, causal=False)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _relative_error(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("tuning", [{}, PAGED_WALK])
+def test_paged_flash_decode_matches_the_reference(tuning):
+    """The walk over a shuffled pool of 16-key pages (4 per 64-key block), ragged lengths and
+    an empty row, with one warpgroup or a producer and 3 slots (the engine's paged tuning)."""
+    b, s, page_size = 3, 256, 16
+    q, k, v = _inputs(14, b, 1, s, 8, 2, 64, jnp.float32)
+    lengths = jnp.asarray([256, 0, 77], jnp.int32)
+    per_row = s // page_size
+    order = np.random.default_rng(6).permutation(b * per_row)
+    table = jnp.asarray(order.reshape(b, per_row), jnp.int32)
+    inverse = jnp.asarray(np.argsort(order))
+    k_pool, v_pool = (x.reshape(b * per_row, page_size, 2, 64)[inverse] for x in (k, v))
+    walk = partial(fa.flash_decode_attention, block_table=table, block_k=64, **tuning)
+    out = jax.jit(partial(walk, interpret=not ON_GPU))(q, k_pool, v_pool, lengths)
+    ref = _reference(q, k, v, jnp.ones(b, jnp.int32), lengths, causal=False)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_prefill_tuning_picks_the_measured_fastest_where_it_applies():
