@@ -8,7 +8,9 @@ TFLOP/s of the causal half (``4 B N T S H / 2``); decode, GQA 32/8, head dim 128
 length S=4096 (B=64 and B=1), figures in TB/s of K/V read (``2 B S K H`` elements). Each
 implementation of a case is first checked against ``spark_jax.attention.reference_attention``
 in fp32 on the same random inputs, with the device's free memory poisoned with NaN just
-before the run (so an output slot the kernel never writes shows up as NaN), then timed:
+before the run (so an output slot the kernel never writes shows up as NaN), then timed on
+the device: calls back to back, one sync per repeat (``us``; the torch peer by CUDA events),
+with the host-synced time of one call beside it (``us_synced``, ~150-250 us more):
 
 - ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU): the flash
   kernel for prefill (``_s3``: 3 K/V stages, ``_k128``: 128-key blocks) and the split-K
