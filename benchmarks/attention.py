@@ -17,11 +17,9 @@ with the host-synced time of one call beside it (``us_synced``, ~150-250 us more
   kernel for decode (``_c128`` / ``_c64``: keys per program),
 - ``pallas_ws<C>_k<L>_s<stages>`` the flash kernel with its warpgroups specialised: a
   producer issuing the K/V copies and C consumers of 64 query rows each (``consumers``),
-  L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer), and
-  ``pallas_flash_ws2split_k<L>_s<stages>`` with two consumers taking turns over the key
-  blocks (``split_keys``); ``_overlap``: each block's scores started before the previous
-  block's softmax (``overlap``); ``_pingpong``: the two consumers take turns on the tensor
-  cores (``pingpong``),
+  L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer);
+  ``_pingpong``: the two consumers take turns on the tensor cores (``pingpong``, the model's
+  prefill: ``flash_attention.prefill_tuning``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -38,8 +36,8 @@ with the host-synced time of one call beside it (``us_synced``, ~150-250 us more
 - ``pallas_paged`` our paged kernel (``pallas_kernels/paged_attention.py``) over the same pool,
   in place, 256-key chunks of 16 pages (decode cases; interpreted off the GPU), and
   ``pallas_paged_flash`` the flash walk over the same pool (8 pages per 128-key block;
-  ``_s3`` 3 stages, ``_ws_s3`` with a producer warpgroup, ``_k64_s4`` 64-key blocks in 4
-  stages, ``_ws2split`` two consumers taking turns over the key blocks),
+  ``_s3`` 3 stages, ``_ws_s3`` with a producer warpgroup (the engine's), ``_k64_s4`` 64-key
+  blocks in 4 stages),
 - ``triton_mha`` / ``triton_gqa`` the deprecated ``jax.experimental.pallas.ops.gpu`` kernels
   (K/V heads repeated for ``mha``, which has no GQA), and ``mosaic_fa3`` JAX's own Mosaic GPU
   FA3 (``attention_mgpu``, GPU only; it applies no softmax scale, so its timing includes
@@ -171,29 +169,6 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                 )
                 for keys, stages in ((128, 3), (64, 6))
             },
-            **{
-                f"pallas_flash_ws2split_k{keys}_s{stages}": partial(
-                    _pallas_flash_decode,
-                    interpret=not ON_GPU,
-                    block_k=keys,
-                    stages=stages,
-                    consumers=2,
-                    split_keys=True,
-                )
-                for keys, stages in ((128, 2), (64, 2), (64, 4))
-            },
-            "pallas_flash_ws2split_k64_s2_overlap": partial(
-                _pallas_flash_decode,
-                interpret=not ON_GPU,
-                block_k=64,
-                stages=2,
-                consumers=2,
-                split_keys=True,
-                overlap=True,
-            ),
-            "pallas_flash_k128_s3_overlap": partial(
-                _pallas_flash_decode, interpret=not ON_GPU, block_k=128, stages=3, overlap=True
-            ),
             "cudnn": cudnn,
             "pallas_flash_headmajor": _head_major(
                 case, partial(_pallas_flash_decode, interpret=not ON_GPU)
@@ -209,7 +184,6 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                     ("s3", {"stages": 3}),
                     ("ws_s3", {"stages": 3, "consumers": 1}),
                     ("k64_s4", {"block_k": 64, "stages": 4}),
-                    ("ws2split", {"stages": 2, "consumers": 2, "split_keys": True}),
                 )
             },
             "cudnn_paged": _paged(case, _cudnn_paged) if ON_GPU else None,
@@ -236,17 +210,6 @@ def implementations(case: Case) -> dict[str, Impl | None]:
                 consumers=consumers,
             )
             for consumers, keys, stages in ((2, 128, 2), (2, 64, 3))
-        },
-        **{
-            f"pallas_ws{consumers}_k{keys}_s{stages}_overlap": partial(
-                _pallas_prefill,
-                interpret=not ON_GPU,
-                block_k=keys,
-                stages=stages,
-                consumers=consumers,
-                overlap=True,
-            )
-            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3), (0, 64, 3), (0, 128, 3))
         },
         **{
             f"pallas_ws2_k{keys}_s{stages}_pingpong": partial(

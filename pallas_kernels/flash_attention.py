@@ -145,8 +145,6 @@ def flash_attention(
     block_k: int | None = None,
     stages: int = 2,
     consumers: int = 0,
-    split_keys: bool = False,
-    overlap: bool = False,
     pingpong: bool = False,
     block_table: jax.Array | None = None,
     interpret: bool = False,
@@ -165,14 +163,8 @@ def flash_attention(
     specialise the warpgroups: a producer warpgroup issues the copies as soon as a slot is
     released, and each consumer warpgroup computes its own ``block_q`` query rows against the
     shared K/V blocks (a program then covers ``consumers x block_q`` rows, which must divide
-    T). With ``split_keys`` the 2 consumers share one query block instead and take turns over
-    its key blocks, merging their softmax states at the end: for few query rows against many
-    keys (the decode walk), where one warpgroup's softmax between its copies is the limit;
-    ``consumers`` must then divide ``stages``. ``overlap`` starts each key block's scores
-    before the previous block's softmax (FA3's overlap within a warpgroup: the tensor cores
-    and the softmax's instructions run at once, at the cost of a second score block's
-    registers). ``pingpong`` (2 consumers over their own query blocks) has the consumers take
-    turns on the tensor cores, one's softmax under the other's GEMMs (FA3's schedule).
+    T). ``pingpong`` (2 consumers) has the consumers take turns on the tensor cores, one's
+    softmax under the other's GEMMs (FA3's schedule).
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -193,20 +185,19 @@ def flash_attention(
         dense_k = jax.ShapeDtypeStruct((b, tables[0].shape[1] * page_size, kv_heads, h), k.dtype)
     s, kv_heads = dense_k.shape[1], dense_k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
-    rows_per_program = block_q * (1 if split_keys else max(consumers, 1))
+    rows_per_program = block_q * max(consumers, 1)
     if (
         not flash_attention_applies(q, dense_k, block_q, block_k)
         or not 2 <= stages <= 8
         or consumers not in (0, 1, 2)
         or t % rows_per_program
-        or (split_keys and (consumers != 2 or stages % consumers))
-        or (pingpong and (consumers != 2 or split_keys or overlap))
+        or (pingpong and consumers != 2)
     ):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
-            f"{block_k=}, {stages=}, {consumers=}, {split_keys=}, {overlap=}, {pingpong=}"
+            f"{block_k=}, {stages=}, {consumers=}, {pingpong=}"
         )
-    smem = _shared_bytes(block_q, block_k, h, stages, consumers, split_keys, q.dtype)
+    smem = _shared_bytes(block_q, block_k, h, stages, consumers, q.dtype)
     if not interpret and smem > _SMEM_LIMIT:
         raise ValueError(
             f"{stages} stages of {block_k} keys with {max(consumers, 1)} query blocks of "
@@ -216,8 +207,8 @@ def flash_attention(
     query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, split_keys, overlap,
-        pingpong, q.dtype, causal, scale, page_size, interpret,
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, pingpong, q.dtype,
+        causal, scale, page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
 
@@ -249,15 +240,13 @@ def flash_decode_attention(
     block_k: int | None = None,
     stages: int = 2,
     consumers: int = 0,
-    split_keys: bool = False,
-    overlap: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
     int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
-    (default 128 keys where they tile the rows), ``stages``, ``consumers`` (0 or 1; 2 with
-    ``split_keys``), ``split_keys`` and ``overlap`` as in ``flash_attention``.
+    (default 128 keys where they tile the rows), ``stages`` and ``consumers`` (0 or 1) as in
+    ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
@@ -288,8 +277,6 @@ def flash_decode_attention(
         block_k=block_k,
         stages=stages,
         consumers=consumers,
-        split_keys=split_keys,
-        overlap=overlap,
         block_table=block_table,
         interpret=interpret,
     )
@@ -319,8 +306,6 @@ def _flash_kernel(
     block_k: int,
     stages: int,
     consumers: int,
-    split_keys: bool,
-    overlap: bool,
     pingpong: bool,
     dtype: jnp.dtype,
     causal: bool,
@@ -332,7 +317,7 @@ def _flash_kernel(
     [B,T,N,H]; with ``page_size``, k and v are page pools and a block table comes before q."""
     group = n // kv_heads
     pages_per_block = 1 if page_size is None else block_k // page_size
-    blocks_per_program = 1 if split_keys else max(consumers, 1)
+    blocks_per_program = max(consumers, 1)
     num_programs_q = t // (block_q * blocks_per_program)
     tiled = _smem_transforms(dtype)
 
@@ -355,10 +340,9 @@ def _flash_kernel(
             v_barriers,  # one TMA barrier per slot
             *refs,
         ) = refs
-        # Warp-specialised: per slot, the consumers' K and V releases; split keys: the other
-        # consumers' running acc f32[C-1, Q, H], (max, sum) f32[C-1, 2, Q], their arrival;
-        # ping-pong: the barrier two consumers take turns on the tensor cores with.
-        released, partials = (refs[:2], refs[2:]) if consumers else ((), ())
+        # Warp-specialised: per slot, the consumers' K and V releases; ping-pong: the barrier
+        # two consumers take turns on the tensor cores with.
+        released, turns = (refs[:2], refs[2] if pingpong else None) if consumers else ((), None)
         head, row = lax.axis_index("n"), lax.axis_index("b")
         program_q = lax.axis_index("q")
         if causal:  # the longest (last) query blocks first
@@ -388,10 +372,8 @@ def _flash_kernel(
                     pool.at[page, :, kv_head], slots.at[slot, keys], barriers.at[slot]
                 )
 
-        def query_block(c, scratch_slot=None) -> QueryBlock:
-            """Query block c of the program: its rows, key blocks and shared memory (the
-            interpreter's K^T and P slots at ``scratch_slot``, default c)."""
-            scratch_slot = c if scratch_slot is None else scratch_slot
+        def query_block(c) -> QueryBlock:
+            """Query block c of the program: its rows, key blocks and shared memory."""
             q_start = (program_q * blocks_per_program + c) * block_q
             full_steps, num_steps = _key_blocks(
                 q_start, q_length, k_length, block_q, block_k, causal
@@ -402,8 +384,8 @@ def _flash_kernel(
                 full_steps,
                 num_steps,
                 q_smem.at[c],
-                None if kt_smem is None else kt_smem.at[scratch_slot],
-                None if p_smem is None else p_smem.at[scratch_slot],
+                None if kt_smem is None else kt_smem.at[c],
+                None if p_smem is None else p_smem.at[c],
                 q_barriers.at[c],
             )
 
@@ -411,12 +393,10 @@ def _flash_kernel(
             queries = q_gmem.at[row, pl.ds(block.q_start, block_q), head]
             plgpu.copy_gmem_to_smem(queries, block.q, block.barrier)
 
-        def walk(
-            block: QueryBlock, first, stride, before_step, after_keys, after_values, turns=None
-        ):
-            """Key blocks first, first + stride, ... of the block's walk (the copies issued
-            elsewhere) -> the running (acc, row max, row sum) over them. ``turns``: the
-            ping-pong barrier two consumers hand the tensor cores over with (or None)."""
+        def walk(block: QueryBlock, before_step, after_keys, after_values, turns=None):
+            """The block's walk over its key blocks (the copies issued elsewhere) -> the
+            running (acc, row max, row sum). ``turns``: the ping-pong barrier two consumers
+            hand the tensor cores over with (or None)."""
 
             def visible(j):
                 """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
@@ -460,8 +440,7 @@ def _flash_kernel(
                 acc = _add_pv(acc, probs, v_smem.at[slot], block.p, interpret)
                 return acc, new_max, row_sum
 
-            def step(i, carry, masked: bool):
-                j = first + i * stride
+            def step(j, carry, masked: bool):
                 before_step(j)
 
                 def qk(scores_ref):
@@ -476,47 +455,16 @@ def _flash_kernel(
                 after_values(lax.rem(j, stages))
                 return carry
 
-            def overlapped_step(i, carry, masked: bool):
-                """Block j's softmax and P V while the tensor cores compute block j + stride's
-                scores (FA3's overlap within a warpgroup); carries the scores one block ahead."""
-                *carry, scores = carry
-                j, ahead = first + i * stride, first + (i + 1) * stride
-                before_step(j)
-
-                def overlap(scores_ref):
-                    pl.when(i + 1 < total)(lambda: issue_qk(ahead, scores_ref))
-                    state = softmax_pv(j, scores, carry, masked)
-                    return (*state, scores_ref[...])
-
-                *carry, scores = pl.run_scoped(overlap, plgpu.ACC((block_q, block_k), jnp.float32))
-                after_values(lax.rem(j, stages))
-                pl.when(i + 1 < total)(lambda: after_keys(lax.rem(ahead, stages)))
-                return (*carry, scores)
-
-            def count(end):  # the walk's steps below block `end`
-                return lax.div(jnp.maximum(end - first, 0) + stride - 1, stride)
-
             reduced = plgpu.Layout.WGMMA.reduce(1)
             carry = (
                 _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
                 _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
                 _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
             )
-            full, total = count(block.full_steps), count(block.num_steps)
-            if overlap:
-
-                def first_scores(scores_ref):
-                    pl.when(total > 0)(lambda: issue_qk(first, scores_ref))
-                    return scores_ref[...]
-
-                scores = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_k), jnp.float32))
-                pl.when(total > 0)(lambda: after_keys(lax.rem(first, stages)))
-                carry, walk_step = (*carry, scores), overlapped_step
-            else:
-                walk_step = step
-            carry = lax.fori_loop(0, full, lambda i, c: walk_step(i, c, masked=False), carry)
-            carry = lax.fori_loop(full, total, lambda i, c: walk_step(i, c, masked=True), carry)
-            return carry[:3]
+            unmasked = lambda j, c: step(j, c, masked=False)  # noqa: E731
+            carry = lax.fori_loop(0, block.full_steps, unmasked, carry)
+            masked = lambda j, c: step(j, c, masked=True)  # noqa: E731
+            return lax.fori_loop(block.full_steps, block.num_steps, masked, carry)
 
         def finish(block: QueryBlock, acc, row_sum):
             """The normalised output block, through the query block's slot, to GMEM."""
@@ -532,12 +480,8 @@ def _flash_kernel(
         kernels = Walkers(fetch_keys, fetch_values, load_queries, walk, finish)
         if not consumers:
             _single_warpgroup(query_block(0), kernels)
-        elif split_keys:
-            block = query_block(0, lax.axis_index("wg"))  # one query block, C consumers
-            _split_keys(block, released, partials, kernels)
         else:
             blocks = [query_block(c) for c in range(consumers)]
-            turns = partials[0] if pingpong else None
             _split_queries(blocks, (k_barriers, v_barriers), released, turns, kernels)
 
     def _single_warpgroup(block: QueryBlock, kernels: Walkers):
@@ -564,7 +508,7 @@ def _flash_kernel(
                 kernels.fetch_keys(j + stages - 1)
                 kernels.fetch_values(j + stages - 1)
 
-        acc, _, row_sum = kernels.walk(block, 0, 1, before_step, _nothing, _nothing)
+        acc, _, row_sum = kernels.walk(block, before_step, _nothing, _nothing)
         kernels.finish(block, acc, row_sum)
 
     def _produce(program_steps, released, kernels: Walkers):
@@ -632,8 +576,6 @@ def _flash_kernel(
                     _take_turn(turns)
                 acc, _, row_sum = kernels.walk(
                     block,
-                    0,
-                    1,
                     _nothing,
                     lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
                     lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
@@ -653,87 +595,23 @@ def _flash_kernel(
                     _take_turn(turns)
                 kernels.finish(block, acc, row_sum)
 
-    def _split_keys(block: QueryBlock, released, partials, kernels: Walkers):
-        """Warpgroups 0..C-1 consume one query block, consumer c the key blocks j = c mod C
-        (slots j % stages: each slot serves one consumer, since C divides stages); consumers
-        1..C-1 leave their running (acc, max, sum) in shared memory, consumer 0 merges them
-        into its own and writes the output. Warpgroup C produces."""
-        keys_released, values_released = released
-        acc_smem, stats_smem, merged = partials
-        wg = lax.axis_index("wg")
-        pl.when(wg == consumers)(lambda: _produce(block.num_steps, released, kernels))
-
-        @pl.when(wg < consumers)
-        def _consumer():
-            _consume()
-
-            @pl.when((wg == 0) & (block.num_steps > 0))
-            def _():
-                kernels.load_queries(block)
-
-            @pl.when(block.num_steps > 0)
-            def _():
-                plgpu.barrier_wait(block.barrier)
-
-            acc, row_max, row_sum = kernels.walk(
-                block,
-                wg,
-                consumers,
-                _nothing,
-                lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
-                lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
-            )
-
-            @pl.when(wg > 0)
-            def _leave():
-                acc_smem.at[wg - 1][...] = acc
-                stats_smem.at[wg - 1, 0][...] = row_max
-                stats_smem.at[wg - 1, 1][...] = row_sum
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(merged)
-
-            @pl.when(wg == 0)
-            def _merge():
-                plgpu.barrier_wait(merged)
-                total_acc, total_max, total_sum = acc, row_max, row_sum
-                reduced = plgpu.Layout.WGMMA.reduce(1)
-                for c in range(consumers - 1):
-                    other_max = _with_layout(stats_smem[c, 0], reduced, interpret)
-                    other_sum = _with_layout(stats_smem[c, 1], reduced, interpret)
-                    other_acc = _load_wgmma(acc_smem.at[c], interpret)
-                    new_max = jnp.maximum(total_max, other_max)
-                    mine, theirs = jnp.exp2(total_max - new_max), jnp.exp2(other_max - new_max)
-                    total_sum = total_sum * mine + other_sum * theirs
-                    total_acc = total_acc * lax.broadcast_in_dim(mine, (block_q, h), [0])
-                    total_acc += other_acc * lax.broadcast_in_dim(theirs, (block_q, h), [0])
-                    total_max = new_max
-                kernels.finish(block, total_acc, total_sum)
-
     c = blocks_per_program
-    walkers = consumers if split_keys else c  # the interpreter's K^T and P slots
     scratch = [
         plgpu.SMEM((c, block_q, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
-        plgpu.SMEM((walkers, h, block_k), dtype) if interpret else None,
-        plgpu.SMEM((walkers, block_q, block_k), dtype, transforms=tiled) if interpret else None,
+        plgpu.SMEM((c, h, block_k), dtype) if interpret else None,
+        plgpu.SMEM((c, block_q, block_k), dtype, transforms=tiled) if interpret else None,
         plgpu.Barrier(num_barriers=c),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
     threads = {}
-    if consumers:  # a slot is released by every consumer, or (split keys) by its own
-        arrivals = 1 if split_keys else consumers
-        scratch += [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages)] * 2
+    if consumers:  # a slot is released by every consumer
+        scratch += [plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)] * 2
         threads = {"num_threads": consumers + 1, "thread_name": "wg"}
     if pingpong:  # both consumers arrive at each hand-over
         scratch += [plgpu.Barrier(num_arrivals=2)]
-    if split_keys:  # the other consumers' running (acc, max, sum), and their arrival
-        scratch += [
-            plgpu.SMEM((consumers - 1, block_q, h), jnp.float32),
-            plgpu.SMEM((consumers - 1, 2, block_q), jnp.float32),
-            plgpu.Barrier(num_arrivals=consumers - 1),
-        ]
     return _shared(
         plgpu.kernel(
             body,
@@ -785,27 +663,11 @@ def _take_turn(turns) -> None:
     plgpu.barrier_wait(turns)
 
 
-def _load_wgmma(ref, interpret: bool) -> jax.Array:
-    """An fp32 [Q, H] block of shared memory in the wgmma accumulator's register layout."""
-    if interpret:
-        return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
-
-
 def _shared_bytes(
-    block_q: int,
-    block_k: int,
-    h: int,
-    stages: int,
-    consumers: int,
-    split_keys: bool,
-    dtype: jnp.dtype,
+    block_q: int, block_k: int, h: int, stages: int, consumers: int, dtype: jnp.dtype
 ) -> int:
-    """Shared memory of one program on the GPU: its query blocks, the K/V slots and (split
-    keys) the other consumers' fp32 softmax states."""
+    """Shared memory of one program on the GPU: its query blocks and the K/V slots."""
     size = jnp.dtype(dtype).itemsize
-    if split_keys:
-        return (block_q + 2 * stages * block_k) * h * size + (consumers - 1) * block_q * (h + 2) * 4
     return (max(consumers, 1) * block_q + 2 * stages * block_k) * h * size
 
 

@@ -28,7 +28,7 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
 
 @partial(
     jax.jit,
-    static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "overlap", "pingpong"],
+    static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "pingpong"],
 )
 def _kernel(
     q,
@@ -41,7 +41,6 @@ def _kernel(
     block_k=64,
     stages=2,
     consumers=0,
-    overlap=False,
     pingpong=False,
 ):
     return fa.flash_attention(
@@ -55,7 +54,6 @@ def _kernel(
         block_k=block_k,
         stages=stages,
         consumers=consumers,
-        overlap=overlap,
         pingpong=pingpong,
         interpret=not ON_GPU,
     )
@@ -115,33 +113,24 @@ def test_deeper_pipelines_give_the_same_attention(case, stages):
 
 
 @pytest.mark.parametrize(
-    "case, consumers, stages, overlap, pingpong",
+    "case, consumers, stages, pingpong",
     [
-        ("causal_gqa1", 2, 2, False, False),
-        ("causal_gqa4_prefix", 2, 2, False, False),
-        ("cross_gqa4", 1, 3, False, False),
-        ("causal_gqa4_prefix", 2, 2, True, False),
-        ("causal_gqa4_prefix", 0, 3, True, False),
-        ("causal_gqa1", 0, 2, True, False),
-        ("causal_gqa4_prefix", 2, 2, False, True),
-        ("causal_gqa1", 2, 2, False, True),
+        ("causal_gqa1", 2, 2, False),
+        ("causal_gqa4_prefix", 2, 2, False),
+        ("cross_gqa4", 1, 3, False),
+        ("causal_gqa4_prefix", 2, 2, True),
+        ("causal_gqa1", 2, 2, True),
     ],
 )
-def test_warp_specialized_programs_give_the_same_attention(
-    case, consumers, stages, overlap, pingpong
-):
+def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages, pingpong):
     """A producer warpgroup with one or two consumers: two query blocks of one program that
     walk different numbers of key blocks (causal, ragged: the shorter one releases the
-    slots it does not read), an idle row, and more key blocks than slots; and the walk with
-    each block's scores started before the previous block's softmax (``overlap``), with a
-    producer or without (0 consumers); and two consumers taking turns on the tensor cores
-    (``pingpong``), where one walks fewer blocks or none."""
+    slots it does not read), an idle row, and more key blocks than slots; and two consumers
+    taking turns on the tensor cores (``pingpong``), where one walks fewer blocks or none."""
     t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
     q, k, v = _inputs(4, 2, t, s, n, kv_heads, h, jnp.float32)
     q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
-    out = _kernel(
-        q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, overlap, pingpong
-    )
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, pingpong)
     ref = _reference(q, k, v, q_len, k_len, causal)
     assert _relative_error(out, ref) <= 1e-5
     padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]
@@ -203,8 +192,6 @@ def test_flash_attention_declines_what_it_cannot_run():
         fa.flash_attention(q, k, k, consumers=3, interpret=True)
     with pytest.raises(ValueError, match="does not apply"):  # ping-pong takes 2 consumers
         fa.flash_attention(q, k, k, consumers=1, pingpong=True, interpret=True)
-    with pytest.raises(ValueError, match="does not apply"):  # 2 consumers, 3 slots
-        fa.flash_attention(q, k, k, consumers=2, stages=3, split_keys=True, interpret=True)
     big_q, big_k = (
         jnp.zeros((1, 256, 8, 128), jnp.bfloat16),
         jnp.zeros((1, 512, 2, 128), jnp.bfloat16),
@@ -220,23 +207,20 @@ def test_flash_attention_declines_what_it_cannot_run():
     [(True, 1024, 1024, ([1024, 700], [1024, 900])), (False, 256, 1024, ([256, 31], [977, 400]))],
 )
 @pytest.mark.parametrize(
-    "dtype, stages, consumers, overlap",
+    "dtype, stages, consumers, pingpong",
     [
         (jnp.bfloat16, 2, 0, False),
         (jnp.float16, 2, 0, False),
         (jnp.bfloat16, 3, 0, False),
         (jnp.bfloat16, 2, 2, False),
         (jnp.bfloat16, 2, 2, True),
-        (jnp.bfloat16, 3, 0, True),
-        (jnp.bfloat16, 2, 2, "pingpong"),
     ],
 )
 def test_flash_attention_on_gpu_matches_the_reference(
-    causal, t, s, lengths, dtype, stages, consumers, overlap
+    causal, t, s, lengths, dtype, stages, consumers, pingpong
 ):
     q, k, v = _inputs(11, 2, t, s, 32, 8, 128, dtype)
     q_len, k_len = (jnp.asarray(x, jnp.int32) for x in lengths)
-    pingpong, overlap = overlap == "pingpong", overlap is True
     out = fa.flash_attention(
         q,
         k,
@@ -246,7 +230,6 @@ def test_flash_attention_on_gpu_matches_the_reference(
         causal=causal,
         stages=stages,
         consumers=consumers,
-        overlap=overlap,
         pingpong=pingpong,
     )
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -284,23 +267,12 @@ def test_flash_decode_matches_the_reference(n, kv_heads, h, s):
     assert (np.asarray(out)[1] == 0).all()
 
 
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        {"stages": 3, "consumers": 1},
-        {"stages": 2, "consumers": 2, "split_keys": True},
-        {"stages": 4, "consumers": 2, "split_keys": True},
-        {"stages": 2, "consumers": 2, "split_keys": True, "overlap": True},
-    ],
-)
-def test_flash_decode_with_a_producer_warpgroup_matches_the_reference(tuning):
-    """The decode walk with its copies issued by a producer warpgroup: one consumer, or two
-    taking turns over the key blocks and merging (an odd and an even number of blocks, a
-    row of one block: the second consumer walks none), 3-4 slots over rows of 4 key blocks,
-    ragged lengths and an empty row."""
+def test_flash_decode_with_a_producer_warpgroup_matches_the_reference():
+    """The decode walk with its copies issued by a producer warpgroup, 3 slots over rows of
+    4 key blocks (slots reused), ragged lengths, a row of one block and an empty row."""
     q, k, v = _inputs(7, 4, 1, 256, 8, 2, 64, jnp.float32)
     lengths = jnp.asarray([256, 0, 131, 9], jnp.int32)
-    walk = partial(fa.flash_decode_attention, block_k=64, **tuning)
+    walk = partial(fa.flash_decode_attention, block_k=64, stages=3, consumers=1)
     out = jax.jit(partial(walk, interpret=not ON_GPU))(q, k, v, lengths)
     ref = _reference(q, k, v, jnp.ones(4, jnp.int32), lengths, causal=False)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
@@ -331,14 +303,7 @@ def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        {},
-        {"stages": 3, "consumers": 1},
-        {"block_k": 64, "stages": 4, "consumers": 2, "split_keys": True},
-    ],
-)
+@pytest.mark.parametrize("tuning", [{}, {"stages": 3, "consumers": 1}])
 def test_flash_decode_on_gpu_matches_the_reference(tuning):
     q, k, v = _inputs(12, 64, 1, 1024, 32, 8, 128, jnp.bfloat16)
     lengths = jnp.asarray(np.random.default_rng(3).integers(0, 1025, 64), jnp.int32)
@@ -393,7 +358,7 @@ def test_prefill_tuning_picks_the_measured_fastest_where_it_applies():
     q, k = jnp.zeros((1, 256, 8, 128), jnp.bfloat16), jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
     tuning = fa.prefill_tuning(q, k, interpret=False)
     assert tuning == {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
-    assert fa._shared_bytes(64, 128, 128, 2, 2, False, jnp.bfloat16) <= fa._SMEM_LIMIT
+    assert fa._shared_bytes(64, 128, 128, 2, 2, jnp.bfloat16) <= fa._SMEM_LIMIT
     assert fa.prefill_tuning(q, k, interpret=True) == {}
     assert fa.prefill_tuning(q[:, :192], k, interpret=False) == {}
     assert fa.prefill_tuning(q[..., :64], k[..., :64], interpret=False) == {}
