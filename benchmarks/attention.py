@@ -143,6 +143,27 @@ def mask_of(case: Case, lengths: jax.Array) -> AttentionMask:
     return AttentionMask(positions, lengths, causal=True)
 
 
+# Our kernels' configurations timed (names as in the module docstring).
+PREFILL_TUNINGS: dict[str, dict[str, Any]] = {
+    "pallas": {},
+    "pallas_s3": {"stages": 3},
+    "pallas_k128": {"block_k": 128},
+    "pallas_ws2_k128_s2": {"block_k": 128, "consumers": 2},
+    "pallas_ws2_k64_s3": {"block_k": 64, "stages": 3, "consumers": 2},
+    "pallas_ws2_k128_s3": {"block_k": 128, "stages": 3, "consumers": 2},
+    "pallas_ws2_k128_s2_pingpong": {"block_k": 128, "consumers": 2, "pingpong": True},
+    "pallas_ws2_k64_s3_pingpong": {"block_k": 64, "stages": 3, "consumers": 2, "pingpong": True},
+    "pallas_ws2_k64_s4_pingpong": {"block_k": 64, "stages": 4, "consumers": 2, "pingpong": True},
+}
+FLASH_DECODE_TUNINGS: dict[str, dict[str, Any]] = {
+    "pallas_flash": {},
+    "pallas_flash_k64": {"block_k": 64},
+    "pallas_flash_s3": {"block_k": 64, "stages": 3},
+    "pallas_flash_ws_k128_s3": {"block_k": 128, "stages": 3, "consumers": 1},
+    "pallas_flash_ws_k64_s6": {"block_k": 64, "stages": 6, "consumers": 1},
+}
+
+
 def implementations(case: Case) -> dict[str, Impl | None]:
     """name -> implementation for the case (None: not available for this case or backend)."""
     scale = case.h**-0.5
@@ -154,20 +175,9 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             "pallas": pallas,
             "pallas_c128": partial(_pallas_decode, interpret=not ON_GPU, chunk=128),
             "pallas_c64": partial(_pallas_decode, interpret=not ON_GPU, chunk=64),
-            "pallas_flash": partial(_pallas_flash_decode, interpret=not ON_GPU),
-            "pallas_flash_k64": partial(_pallas_flash_decode, interpret=not ON_GPU, block_k=64),
-            "pallas_flash_s3": partial(
-                _pallas_flash_decode, interpret=not ON_GPU, block_k=64, stages=3
-            ),
             **{
-                f"pallas_flash_ws_k{keys}_s{stages}": partial(
-                    _pallas_flash_decode,
-                    interpret=not ON_GPU,
-                    block_k=keys,
-                    stages=stages,
-                    consumers=1,
-                )
-                for keys, stages in ((128, 3), (64, 6))
+                name: partial(_pallas_flash_decode, interpret=not ON_GPU, **tuning)
+                for name, tuning in FLASH_DECODE_TUNINGS.items()
             },
             "cudnn": cudnn,
             "pallas_flash_headmajor": _head_major(
@@ -198,33 +208,10 @@ def implementations(case: Case) -> dict[str, Impl | None]:
             },
         }
     return {
-        "pallas": partial(_pallas_prefill, interpret=not ON_GPU),
-        "pallas_s3": partial(_pallas_prefill, interpret=not ON_GPU, stages=3),
-        "pallas_k128": partial(_pallas_prefill, interpret=not ON_GPU, block_k=128),
         **{
-            f"pallas_ws{consumers}_k{keys}_s{stages}": partial(
-                _pallas_prefill,
-                interpret=not ON_GPU,
-                block_k=keys,
-                stages=stages,
-                consumers=consumers,
-            )
-            for consumers, keys, stages in ((2, 128, 2), (2, 64, 3))
+            name: partial(_pallas_prefill, interpret=not ON_GPU, **tuning)
+            for name, tuning in PREFILL_TUNINGS.items()
         },
-        **{
-            f"pallas_ws2_k{keys}_s{stages}_pingpong": partial(
-                _pallas_prefill,
-                interpret=not ON_GPU,
-                block_k=keys,
-                stages=stages,
-                consumers=2,
-                pingpong=True,
-            )
-            for keys, stages in ((128, 2), (64, 3), (64, 4))
-        },
-        "pallas_ws2_k128_s3": partial(
-            _pallas_prefill, interpret=not ON_GPU, block_k=128, stages=3, consumers=2
-        ),
         "cudnn": partial(_cudnn, causal=True) if ON_GPU else None,
         "xla": xla,
         "triton_mha": partial(_triton_mha, scale=scale),
@@ -237,11 +224,11 @@ def _pallas_decode(q, k, v, lengths, interpret: bool, chunk: int = 256) -> jax.A
     return decode_attention(q, k, v, lengths, chunk=chunk, interpret=interpret)
 
 
-def _pallas_flash_decode(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
+def _pallas_flash_decode(q, k, v, lengths, interpret: bool, **tuning: Any) -> jax.Array:
     return flash_decode_attention(q, k, v, lengths, interpret=interpret, **tuning)
 
 
-def _pallas_prefill(q, k, v, lengths, interpret: bool, **tuning: int) -> jax.Array:
+def _pallas_prefill(q, k, v, lengths, interpret: bool, **tuning: Any) -> jax.Array:
     return flash_attention(q, k, v, lengths, lengths, causal=True, interpret=interpret, **tuning)
 
 
