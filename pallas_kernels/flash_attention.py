@@ -63,6 +63,9 @@ from spark_jax.attention import AttentionMask, reference_attention
 _LOG2E = math.log2(math.e)
 _NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero
 _SMEM_LIMIT = 227 * 1024  # a Hopper thread block's dynamic shared memory
+# Registers per thread of the producer and of each of two consumer warpgroups (64K per SM:
+# 128 x 40 + 256 x 232 fits; the consumers hold the accumulator, scores and P).
+_REGISTERS = (40, 232)
 
 
 def flash_attention_reference(
@@ -206,6 +209,8 @@ def flash_attention(
         )
     query_lengths, key_lengths = _lengths(q, dense_k, query_lengths, key_lengths)
     scale = h**-0.5 if scale is None else float(scale)
+    if scale <= 0:  # the kernel takes each row's max of the unscaled scores
+        raise ValueError(f"flash_attention needs a positive scale, got {scale}")
     run = _flash_kernel(
         b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, pingpong, q.dtype,
         causal, scale, page_size, interpret,
@@ -320,6 +325,7 @@ def _flash_kernel(
     blocks_per_program = max(consumers, 1)
     num_programs_q = t // (block_q * blocks_per_program)
     tiled = _smem_transforms(dtype)
+    log2_scale = scale * _LOG2E  # the softmax in base 2
 
     def body(*refs):
         # Inputs (GMEM): int32[B] query and key lengths, the block table int32[B, S / page
@@ -379,6 +385,7 @@ def _flash_kernel(
                 q_start, q_length, k_length, block_q, block_k, causal
             )
             return QueryBlock(
+                c,
                 q_start,
                 jnp.clip(q_length - q_start, 0, block_q),
                 full_steps,
@@ -415,17 +422,30 @@ def _flash_kernel(
                 keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
                 plgpu.wgmma(scores_ref, block.q, keys_t)
 
-            def softmax_pv(j, scores, carry, masked: bool):
-                """The online softmax of block j's scores, then acc += P V_j (with ping-pong,
-                once the other consumer's softmax is done: the tensor cores are ours)."""
+            def scores_of(j):
+                """Block j's scores, issued then awaited (with ping-pong, the turn handed over
+                in between: the other consumer's GEMMs run under this one's softmax)."""
+
+                def qk(scores_ref):
+                    issue_qk(j, scores_ref)
+                    if turns is not None:
+                        _take_turn(turns)
+                    return scores_ref[...]
+
+                return pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+
+            def softmax(j, scores, carry, masked: bool):
+                """Block j's online softmax -> (acc rescaled, row max, row sum, P in q's
+                dtype), then waits for V block j (with ping-pong, for the tensor cores too)."""
                 acc, row_max, row_sum = carry
-                slot = lax.rem(j, stages)
-                scores = scores * (scale * _LOG2E)  # base-2 softmax: exp2 is one instruction
                 if masked:
                     scores = jnp.where(visible(j), scores, -jnp.inf)
-                new_max = jnp.maximum(row_max, scores.max(axis=1))
+                # Base 2 (exp2 is one instruction), the max taken of the raw scores and scaled
+                # once per row: each probability is then one FMA and one exp2 (scale > 0).
+                new_max = jnp.maximum(row_max, scores.max(axis=1) * log2_scale)
                 rescale = jnp.exp2(row_max - new_max)
-                probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [0]))
+                centred = lax.broadcast_in_dim(new_max, scores.shape, [0])
+                probs = jnp.exp2(scores * log2_scale - centred)
                 row_sum = row_sum * rescale + probs.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
                 probs = probs.astype(dtype)
@@ -434,26 +454,61 @@ def _flash_kernel(
                         (acc, new_max, row_sum, probs)
                     )
                     plgpu.barrier_arrive(turns)
-                plgpu.barrier_wait(v_barriers.at[slot])
+                plgpu.barrier_wait(v_barriers.at[lax.rem(j, stages)])
                 if turns is not None:
                     plgpu.barrier_wait(turns)
-                acc = _add_pv(acc, probs, v_smem.at[slot], block.p, interpret)
-                return acc, new_max, row_sum
+                return acc, new_max, row_sum, probs
 
             def step(j, carry, masked: bool):
+                """Block j: its scores, softmax, then acc += P V_j."""
                 before_step(j)
-
-                def qk(scores_ref):
-                    issue_qk(j, scores_ref)
-                    if turns is not None:  # the other consumer's turn on the tensor cores
-                        _take_turn(turns)
-                    return scores_ref[...]
-
-                scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_k), jnp.float32))
+                scores = scores_of(j)
                 after_keys(lax.rem(j, stages))
-                carry = softmax_pv(j, scores, carry, masked)
+                acc, *state, probs = softmax(j, scores, carry, masked)
+                acc = _add_pv(acc, probs, v_smem.at[lax.rem(j, stages)], block.p, interpret)
                 after_values(lax.rem(j, stages))
-                return carry
+                return acc, *state
+
+            def pv_then_next_scores(j, acc, probs):
+                """acc + P V_j, with block j + 1's scores issued right behind it and the turn
+                handed over before either is awaited -> (acc, block j + 1's scores)."""
+                values = v_smem.at[lax.rem(j, stages)]
+                if interpret:  # no run_state: one product after the other
+                    return _add_pv(acc, probs, values, block.p, interpret), scores_of(j + 1)
+
+                next_slot = lax.rem(j + 1, stages)
+                keys_t = _transposed_keys(k_smem.at[next_slot], block.kt, interpret)
+
+                def gemms(refs):
+                    acc_ref, scores_ref = refs
+                    plgpu.wgmma(acc_ref, probs, values)
+                    plgpu.barrier_wait(k_barriers.at[next_slot])
+                    # The query view made in here: one made outside with a constant index is
+                    # closed over as a literal, which run_state's lowering (jax 0.11) rejects.
+                    plgpu.wgmma(scores_ref, q_smem.at[block.index], keys_t)
+                    _take_turn(turns)
+
+                return pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(no_scores())))
+
+            def pv_last(j, acc, probs):
+                values = v_smem.at[lax.rem(j, stages)]
+                return _add_pv(acc, probs, values, block.p, interpret), no_scores()
+
+            def pingpong_step(j, carry, masked: bool):
+                """Block j's softmax and P V_j, block j + 1's QK issued behind the P V_j
+                (FA3's order): the tensor cores always have this consumer's next GEMM queued
+                when the turn passes. Carries block j + 1's scores."""
+                *carry, scores = carry
+                acc, *state, probs = softmax(j, scores, carry, masked)
+                more = j + 1 < block.num_steps
+                acc, scores = lax.cond(more, pv_then_next_scores, pv_last, j, acc, probs)
+                after_values(lax.rem(j, stages))
+                pl.when(more)(lambda: after_keys(lax.rem(j + 1, stages)))
+                return acc, *state, scores
+
+            def no_scores():
+                zeros = jnp.zeros((block_q, block_k), jnp.float32)
+                return _with_layout(zeros, plgpu.Layout.WGMMA, interpret)
 
             reduced = plgpu.Layout.WGMMA.reduce(1)
             carry = (
@@ -461,10 +516,16 @@ def _flash_kernel(
                 _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
                 _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
             )
-            unmasked = lambda j, c: step(j, c, masked=False)  # noqa: E731
+            walk_step = step
+            if turns is not None:  # block 0's scores before the loop, each step issues the next
+                walking = block.num_steps > 0
+                scores = lax.cond(walking, lambda: scores_of(0), no_scores)
+                pl.when(walking)(lambda: after_keys(0))
+                carry, walk_step = (*carry, scores), pingpong_step
+            unmasked = lambda j, c: walk_step(j, c, masked=False)  # noqa: E731
             carry = lax.fori_loop(0, block.full_steps, unmasked, carry)
-            masked = lambda j, c: step(j, c, masked=True)  # noqa: E731
-            return lax.fori_loop(block.full_steps, block.num_steps, masked, carry)
+            masked = lambda j, c: walk_step(j, c, masked=True)  # noqa: E731
+            return lax.fori_loop(block.full_steps, block.num_steps, masked, carry)[:3]
 
         def finish(block: QueryBlock, acc, row_sum):
             """The normalised output block, through the query block's slot, to GMEM."""
@@ -516,7 +577,7 @@ def _flash_kernel(
         the block ``stages`` before it."""
         keys_released, values_released = released
         if consumers == 2 and not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGISTERS[0], action="decrease")
 
         def await_release(step, barriers):
             @pl.when(step >= stages)
@@ -539,7 +600,7 @@ def _flash_kernel(
 
     def _consume():
         if consumers == 2 and not interpret:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGISTERS[1], action="increase")
 
     def _split_queries(blocks: list[QueryBlock], copied, released, turns, kernels: Walkers):
         """Warpgroups 0..C-1 consume, each its own query block over every key block it sees;
@@ -629,9 +690,11 @@ def _flash_kernel(
 
 
 class QueryBlock(NamedTuple):
-    """One consumer's query block: its first row, live rows, key blocks, and its shared
-    memory (query/output block, interpret-mode K^T and P slots) and query-copy barrier."""
+    """One consumer's query block: its index in the program, first row, live rows, key
+    blocks, and its shared memory (query/output block, interpret-mode K^T and P slots) and
+    query-copy barrier."""
 
+    index: int
     q_start: jax.Array
     live_rows: jax.Array
     full_steps: jax.Array
