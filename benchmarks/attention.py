@@ -18,8 +18,9 @@ with the host-synced time of one call beside it (``us_synced``, ~150-250 us more
 - ``pallas_ws<C>_k<L>_s<stages>`` the flash kernel with its warpgroups specialised: a
   producer issuing the K/V copies and C consumers of 64 query rows each (``consumers``),
   L-key blocks; ``pallas_flash_ws_k<L>_s<stages>`` the decode walk so (one consumer);
-  ``_pingpong``: the two consumers take turns on the tensor cores (``pingpong``, the model's
-  prefill: ``flash_attention.prefill_tuning``),
+  ``_pingpong``: the two consumers take turns on the tensor cores (``pingpong``);
+  ``_persistent``: one program per SM, each walking its share of the tiles (``programs``;
+  the model's prefill: ``flash_attention.prefill_tuning``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
   route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
@@ -82,7 +83,7 @@ from benchmarks.common import (
     read_bandwidth,
 )
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.flash_attention import flash_attention, flash_decode_attention
+from pallas_kernels.flash_attention import flash_attention, flash_decode_attention, sm_count
 from pallas_kernels.paged_attention import paged_attention
 from spark_jax.attention import AttentionMask, reference_attention
 
@@ -154,6 +155,12 @@ PREFILL_TUNINGS: dict[str, dict[str, Any]] = {
     "pallas_ws2_k128_s2_pingpong": {"block_k": 128, "consumers": 2, "pingpong": True},
     "pallas_ws2_k64_s3_pingpong": {"block_k": 64, "stages": 3, "consumers": 2, "pingpong": True},
     "pallas_ws2_k64_s4_pingpong": {"block_k": 64, "stages": 4, "consumers": 2, "pingpong": True},
+    "pallas_ws2_k128_s2_pingpong_persistent": {
+        "block_k": 128,
+        "consumers": 2,
+        "pingpong": True,
+        "programs": sm_count(),
+    },
 }
 FLASH_DECODE_TUNINGS: dict[str, dict[str, Any]] = {
     "pallas_flash": {},

@@ -12,7 +12,17 @@ With ``consumers`` (1 or 2) the program's warpgroups specialise instead: a produ
 only issues the K/V copies, refilling each slot as soon as every consumer has released it,
 and each consumer warpgroup computes its own query block against the shared K/V blocks (FA3's
 split of roles): the copies then never wait behind a consumer's softmax, and two consumers
-read each K/V block once for 2 x ``block_q`` rows.
+read each K/V block once for 2 x ``block_q`` rows. With ``pingpong`` the two consumers take
+turns on the tensor cores, each issuing block j + 1's QK right behind its P V_j (FA3's order).
+
+A program's unit of work is a tile: its query blocks of one head and batch row. By default
+the grid has one program per tile. With ``programs`` (the model's prefill: one per SM) the
+programs are persistent: each walks its share of the tiles, the producer running on into
+the next tile's K/V blocks (a program counts its key blocks across tiles, block g in slot g
+% stages) and each consumer loading its next tile's queries into a second buffer while it
+walks the current one, so no tile waits for its first copies or a launch. Tiles are handed
+out heaviest first, in rounds that go forward and backward over the programs (a snake), which
+keeps causal work even across programs.
 
 Ragged batches cost nothing for the padding. Row b has ``query_lengths[b]`` real queries and
 ``key_lengths[b]`` real keys; query t sits at position ``key_lengths[b] - query_lengths[b] +
@@ -21,7 +31,7 @@ A program walks only the key blocks below its row's length and, if causal, at or
 last query's position; a query block wholly past the row's query length walks none and writes
 zeros. Key blocks fully visible to every query of the block skip the mask arithmetic. Query
 rows past the length, and rows that see no key at all, come out as zeros, never NaN. Causal
-programs run the longest query blocks first, so the short ones fill the tail.
+tiles run the longest query blocks first, so the short ones fill the tail.
 
 Non-causal with query lengths T covers encoder self-attention and NLLB's cross-attention
 (padded source lengths as ``key_lengths``).
@@ -64,8 +74,9 @@ _LOG2E = math.log2(math.e)
 _NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero
 _SMEM_LIMIT = 227 * 1024  # a Hopper thread block's dynamic shared memory
 # Registers per thread of the producer and of each of two consumer warpgroups (64K per SM:
-# 128 x 40 + 256 x 232 fits; the consumers hold the accumulator, scores and P).
-_REGISTERS = (40, 232)
+# 128 x 24 + 256 x 240 fits; the consumers hold the accumulator, scores and P). 240 measured
+# 2-7% faster than 232 (runs d3-d4 of BENCHMARKS.md).
+_REGISTERS = (24, 240)
 
 
 def flash_attention_reference(
@@ -124,15 +135,21 @@ def default_block_k(h: int, s: int) -> int:
 
 
 def prefill_tuning(q: jax.Array, k: jax.Array, interpret: bool) -> dict:
-    """The fastest configuration measured on the H200 for a prefill of these shapes: two
-    consumer warpgroups of 64 rows taking turns on the tensor cores over 128-key blocks
-    (run c6 of BENCHMARKS.md: 551 TFLOP/s at S=8192 and 433 at 4 x 2048, against 468 / 390
-    with the defaults) where T and S are multiples of 128 at head dim 128; the defaults
-    elsewhere and in the interpreter (where warpgroups are threads: slow, same results)."""
+    """The fastest configuration measured on the H200 for a prefill of these shapes: one
+    persistent program per SM, each with two consumer warpgroups of 64 rows taking turns on
+    the tensor cores over 128-key blocks (run d8 of BENCHMARKS.md: 602 TFLOP/s at S=8192 and
+    471 at 4 x 2048, against 570 / 434 one program per tile and 481 / 405 with the defaults,
+    run d6) where T and S are multiples of 128 at head dim 128; the defaults elsewhere and in
+    the interpreter (where warpgroups are threads: slow, same results)."""
     _, t, _, h = q.shape
     if interpret or h != 128 or t % 128 or k.shape[1] % 128:
         return {}
-    return {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
+    return {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True, "programs": sm_count()}
+
+
+def sm_count() -> int:
+    """The default device's SM count (132, an H200's, where the backend does not say)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def flash_attention(
@@ -149,6 +166,7 @@ def flash_attention(
     stages: int = 2,
     consumers: int = 0,
     pingpong: bool = False,
+    programs: int | None = None,
     block_table: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -167,7 +185,10 @@ def flash_attention(
     released, and each consumer warpgroup computes its own ``block_q`` query rows against the
     shared K/V blocks (a program then covers ``consumers x block_q`` rows, which must divide
     T). ``pingpong`` (2 consumers) has the consumers take turns on the tensor cores, one's
-    softmax under the other's GEMMs (FA3's schedule).
+    softmax under the other's GEMMs (FA3's schedule). ``programs`` (with consumers) makes
+    the programs persistent: that many (``sm_count()``, say) share the tiles (a tile: one
+    program's query rows of one head and batch row), loading the next tile's queries and
+    K/V blocks while the current one computes; None runs one program per tile.
 
     With ``block_table`` int32[B, W], k and v are a page pool [pages, page_size, K, H] read in
     place: row b's key s at ``pool[block_table[b, s // page_size], s % page_size]``, S = W x
@@ -195,12 +216,13 @@ def flash_attention(
         or consumers not in (0, 1, 2)
         or t % rows_per_program
         or (pingpong and consumers != 2)
+        or (programs is not None and (not consumers or programs < 1))
     ):
         raise ValueError(
             f"flash_attention does not apply to q {q.shape}, k {k.shape}, {block_q=}, "
-            f"{block_k=}, {stages=}, {consumers=}, {pingpong=}"
+            f"{block_k=}, {stages=}, {consumers=}, {pingpong=}, {programs=}"
         )
-    smem = _shared_bytes(block_q, block_k, h, stages, consumers, q.dtype)
+    smem = _shared_bytes(block_q, block_k, h, stages, consumers, programs is not None, q.dtype)
     if not interpret and smem > _SMEM_LIMIT:
         raise ValueError(
             f"{stages} stages of {block_k} keys with {max(consumers, 1)} query blocks of "
@@ -212,7 +234,7 @@ def flash_attention(
     if scale <= 0:  # the kernel takes each row's max of the unscaled scores
         raise ValueError(f"flash_attention needs a positive scale, got {scale}")
     run = _flash_kernel(
-        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, pingpong, q.dtype,
+        b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, pingpong, programs, q.dtype,
         causal, scale, page_size, interpret,
     )  # fmt: skip
     return run(query_lengths, key_lengths, *tables, q, k, v)
@@ -312,6 +334,7 @@ def _flash_kernel(
     stages: int,
     consumers: int,
     pingpong: bool,
+    programs: int | None,
     dtype: jnp.dtype,
     causal: bool,
     scale: float,
@@ -324,6 +347,9 @@ def _flash_kernel(
     pages_per_block = 1 if page_size is None else block_k // page_size
     blocks_per_program = max(consumers, 1)
     num_programs_q = t // (block_q * blocks_per_program)
+    num_tiles = n * num_programs_q * b  # a tile: one program's query blocks of one head and row
+    grid_size = num_tiles if programs is None else min(programs, num_tiles)
+    buffers = 1 if programs is None else 2  # persistent: the next tile's queries load early
     tiled = _smem_transforms(dtype)
     log2_scale = scale * _LOG2E  # the softmax in base 2
 
@@ -336,12 +362,12 @@ def _flash_kernel(
         (
             out_gmem,  # [B, T, N, H]
             # Scratch (SMEM), shared by the warpgroups of a program.
-            q_smem,  # [C, Q, H] each query block, then its output block on its way out
+            q_smem,  # [buffers, C, Q, H] each query block, then its output on its way out
             k_smem,  # [stages, L, H]: block j in slot j % stages
             v_smem,  # [stages, L, H]
             kt_smem,  # [C, H, L] K^T, interpret mode only (else None)
             p_smem,  # [C, Q, L] probabilities, the PV product's A operand, interpret only
-            q_barriers,  # one TMA barrier per query block
+            q_barriers,  # one TMA barrier per query block and buffer
             k_barriers,  # one TMA barrier per slot (one arrival per page when paged)
             v_barriers,  # one TMA barrier per slot
             *refs,
@@ -349,61 +375,78 @@ def _flash_kernel(
         # Warp-specialised: per slot, the consumers' K and V releases; ping-pong: the barrier
         # two consumers take turns on the tensor cores with.
         released, turns = (refs[:2], refs[2] if pingpong else None) if consumers else ((), None)
-        head, row = lax.axis_index("n"), lax.axis_index("b")
-        program_q = lax.axis_index("q")
-        if causal:  # the longest (last) query blocks first
-            program_q = num_programs_q - 1 - program_q
-        kv_head = lax.div(head, group)
-        q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
-        offset = k_length - q_length  # the key position of query 0
 
-        def fetch_keys(step):
-            _fetch(k_gmem, k_smem, k_barriers, step)
+        def tile_of(index) -> Tile:
+            """Tile ``index`` of a persistent program, or (None) the tile of a program of
+            the (heads, query blocks, rows) grid. Query heads vary fastest (the G heads of a
+            kv head run side by side and share its K/V blocks in L2), then batch rows; if
+            causal, the longest (last) query blocks come first, so short ones fill the tail."""
+            if index is None:
+                order, head, row = (lax.axis_index(axis) for axis in ("q", "n", "b"))
+            else:
+                order, rest = lax.div(index, n * b), lax.rem(index, n * b)
+                head, row = lax.rem(rest, n), lax.div(rest, n)
+            program_q = num_programs_q - 1 - order if causal else order
+            q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
+            return Tile(head, row, program_q, lax.div(head, group), q_length, k_length)
 
-        def fetch_values(step):
-            _fetch(v_gmem, v_smem, v_barriers, step)
+        def fetch_keys(tile: Tile, step, slot):
+            _fetch(k_gmem, k_smem, k_barriers, tile, step, slot)
 
-        def _fetch(pool, slots, barriers, step):
-            slot = lax.rem(step, stages)
+        def fetch_values(tile: Tile, step, slot):
+            _fetch(v_gmem, v_smem, v_barriers, tile, step, slot)
+
+        def _fetch(pool, slots, barriers, tile: Tile, step, slot):
+            """Key block ``step`` of the tile's row and kv head into ``slot``."""
             if table_gmem is None:
                 keys = pl.ds(step * block_k, block_k)
                 plgpu.copy_gmem_to_smem(
-                    pool.at[row, keys, kv_head], slots.at[slot], barriers.at[slot]
+                    pool.at[tile.row, keys, tile.kv_head], slots.at[slot], barriers.at[slot]
                 )
                 return
             for i in range(pages_per_block):  # the block's pages, one after another in SMEM
-                page = table_gmem[row, step * pages_per_block + i]
+                page = table_gmem[tile.row, step * pages_per_block + i]
                 keys = pl.ds(i * page_size, page_size)
                 plgpu.copy_gmem_to_smem(
-                    pool.at[page, :, kv_head], slots.at[slot, keys], barriers.at[slot]
+                    pool.at[page, :, tile.kv_head], slots.at[slot, keys], barriers.at[slot]
                 )
 
-        def query_block(c) -> QueryBlock:
-            """Query block c of the program: its rows, key blocks and shared memory."""
-            q_start = (program_q * blocks_per_program + c) * block_q
+        def query_block(tile: Tile, c: int, buffer=0, first_step=0) -> QueryBlock:
+            """Query block c of the tile: its rows, key blocks and shared memory; its key
+            block j sits in slot (first_step + j) % stages."""
+            q_start = (tile.program_q * blocks_per_program + c) * block_q
             full_steps, num_steps = _key_blocks(
-                q_start, q_length, k_length, block_q, block_k, causal
+                q_start, tile.q_length, tile.k_length, block_q, block_k, causal
             )
             return QueryBlock(
+                tile,
                 c,
+                buffer,
+                first_step,
                 q_start,
-                jnp.clip(q_length - q_start, 0, block_q),
+                jnp.clip(tile.q_length - q_start, 0, block_q),
                 full_steps,
                 num_steps,
-                q_smem.at[c],
+                q_smem.at[buffer, c],
                 None if kt_smem is None else kt_smem.at[c],
                 None if p_smem is None else p_smem.at[c],
-                q_barriers.at[c],
+                q_barriers.at[buffer * blocks_per_program + c],
             )
 
         def load_queries(block: QueryBlock):
-            queries = q_gmem.at[row, pl.ds(block.q_start, block_q), head]
+            tile = block.tile
+            queries = q_gmem.at[tile.row, pl.ds(block.q_start, block_q), tile.head]
             plgpu.copy_gmem_to_smem(queries, block.q, block.barrier)
 
         def walk(block: QueryBlock, before_step, after_keys, after_values, turns=None):
             """The block's walk over its key blocks (the copies issued elsewhere) -> the
             running (acc, row max, row sum). ``turns``: the ping-pong barrier two consumers
             hand the tensor cores over with (or None)."""
+            k_length = block.tile.k_length
+            offset = k_length - block.tile.q_length  # the key position of query 0
+
+            def slot_of(j):
+                return lax.rem(block.first_step + j, stages)
 
             def visible(j):
                 """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
@@ -417,7 +460,7 @@ def _flash_kernel(
 
             def issue_qk(j, scores_ref):
                 """Waits for K block j, starts S = Q K^T into ``scores_ref`` (asynchronous)."""
-                slot = lax.rem(j, stages)
+                slot = slot_of(j)
                 plgpu.barrier_wait(k_barriers.at[slot])
                 keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
                 plgpu.wgmma(scores_ref, block.q, keys_t)
@@ -454,7 +497,7 @@ def _flash_kernel(
                         (acc, new_max, row_sum, probs)
                     )
                     plgpu.barrier_arrive(turns)
-                plgpu.barrier_wait(v_barriers.at[lax.rem(j, stages)])
+                plgpu.barrier_wait(v_barriers.at[slot_of(j)])
                 if turns is not None:
                     plgpu.barrier_wait(turns)
                 return acc, new_max, row_sum, probs
@@ -463,20 +506,20 @@ def _flash_kernel(
                 """Block j: its scores, softmax, then acc += P V_j."""
                 before_step(j)
                 scores = scores_of(j)
-                after_keys(lax.rem(j, stages))
+                after_keys(slot_of(j))
                 acc, *state, probs = softmax(j, scores, carry, masked)
-                acc = _add_pv(acc, probs, v_smem.at[lax.rem(j, stages)], block.p, interpret)
-                after_values(lax.rem(j, stages))
+                acc = _add_pv(acc, probs, v_smem.at[slot_of(j)], block.p, interpret)
+                after_values(slot_of(j))
                 return acc, *state
 
             def pv_then_next_scores(j, acc, probs):
                 """acc + P V_j, with block j + 1's scores issued right behind it and the turn
                 handed over before either is awaited -> (acc, block j + 1's scores)."""
-                values = v_smem.at[lax.rem(j, stages)]
+                values = v_smem.at[slot_of(j)]
                 if interpret:  # no run_state: one product after the other
                     return _add_pv(acc, probs, values, block.p, interpret), scores_of(j + 1)
 
-                next_slot = lax.rem(j + 1, stages)
+                next_slot = slot_of(j + 1)
                 keys_t = _transposed_keys(k_smem.at[next_slot], block.kt, interpret)
 
                 def gemms(refs):
@@ -485,13 +528,13 @@ def _flash_kernel(
                     plgpu.barrier_wait(k_barriers.at[next_slot])
                     # The query view made in here: one made outside with a constant index is
                     # closed over as a literal, which run_state's lowering (jax 0.11) rejects.
-                    plgpu.wgmma(scores_ref, q_smem.at[block.index], keys_t)
+                    plgpu.wgmma(scores_ref, q_smem.at[block.buffer, block.index], keys_t)
                     _take_turn(turns)
 
                 return pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(no_scores())))
 
             def pv_last(j, acc, probs):
-                values = v_smem.at[lax.rem(j, stages)]
+                values = v_smem.at[slot_of(j)]
                 return _add_pv(acc, probs, values, block.p, interpret), no_scores()
 
             def pingpong_step(j, carry, masked: bool):
@@ -502,8 +545,8 @@ def _flash_kernel(
                 acc, *state, probs = softmax(j, scores, carry, masked)
                 more = j + 1 < block.num_steps
                 acc, scores = lax.cond(more, pv_then_next_scores, pv_last, j, acc, probs)
-                after_values(lax.rem(j, stages))
-                pl.when(more)(lambda: after_keys(lax.rem(j + 1, stages)))
+                after_values(slot_of(j))
+                pl.when(more)(lambda: after_keys(slot_of(j + 1)))
                 return acc, *state, scores
 
             def no_scores():
@@ -520,33 +563,38 @@ def _flash_kernel(
             if turns is not None:  # block 0's scores before the loop, each step issues the next
                 walking = block.num_steps > 0
                 scores = lax.cond(walking, lambda: scores_of(0), no_scores)
-                pl.when(walking)(lambda: after_keys(0))
+                pl.when(walking)(lambda: after_keys(slot_of(0)))
                 carry, walk_step = (*carry, scores), pingpong_step
             unmasked = lambda j, c: walk_step(j, c, masked=False)  # noqa: E731
             carry = lax.fori_loop(0, block.full_steps, unmasked, carry)
             masked = lambda j, c: walk_step(j, c, masked=True)  # noqa: E731
             return lax.fori_loop(block.full_steps, block.num_steps, masked, carry)[:3]
 
-        def finish(block: QueryBlock, acc, row_sum):
-            """The normalised output block, through the query block's slot, to GMEM."""
+        def finish(block: QueryBlock, acc, row_sum, wait: bool = True):
+            """The normalised output block, through the query block's slot, to GMEM (with
+            ``wait``, the copy awaited)."""
             # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
             inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
             out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
             live = _iota((block_q, h), 0, interpret) < block.live_rows
             block.q[...] = jnp.where(live, out, 0.0).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(block.q, out_gmem.at[row, pl.ds(block.q_start, block_q), head])
-            plgpu.wait_smem_to_gmem(0)
+            rows = pl.ds(block.q_start, block_q)
+            plgpu.copy_smem_to_gmem(block.q, out_gmem.at[block.tile.row, rows, block.tile.head])
+            if wait:
+                plgpu.wait_smem_to_gmem(0)
 
-        kernels = Walkers(fetch_keys, fetch_values, load_queries, walk, finish)
+        kernels = Walkers(
+            tile_of, query_block, fetch_keys, fetch_values, load_queries, walk, finish
+        )
         if not consumers:
-            _single_warpgroup(query_block(0), kernels)
+            _single_warpgroup(query_block(tile_of(None), 0), kernels)
         else:
-            blocks = [query_block(c) for c in range(consumers)]
-            _split_queries(blocks, (k_barriers, v_barriers), released, turns, kernels)
+            _split_queries((k_barriers, v_barriers), released, turns, kernels)
 
     def _single_warpgroup(block: QueryBlock, kernels: Walkers):
         """One warpgroup issues the copies of block j + stages - 1 at step j, then computes."""
+        tile = block.tile
 
         @pl.when(block.num_steps > 0)
         def _prologue():
@@ -556,8 +604,8 @@ def _flash_kernel(
 
                 @pl.when(ahead < block.num_steps)
                 def _fetch(ahead=ahead):
-                    kernels.fetch_keys(ahead)
-                    kernels.fetch_values(ahead)
+                    kernels.fetch_keys(tile, ahead, ahead)
+                    kernels.fetch_values(tile, ahead, ahead)
 
             plgpu.barrier_wait(block.barrier)
 
@@ -566,30 +614,67 @@ def _flash_kernel(
         def before_step(j):
             @pl.when(j + stages - 1 < block.num_steps)
             def _prefetch():
-                kernels.fetch_keys(j + stages - 1)
-                kernels.fetch_values(j + stages - 1)
+                slot = lax.rem(j + stages - 1, stages)
+                kernels.fetch_keys(tile, j + stages - 1, slot)
+                kernels.fetch_values(tile, j + stages - 1, slot)
 
         acc, _, row_sum = kernels.walk(block, before_step, _nothing, _nothing)
         kernels.finish(block, acc, row_sum)
 
-    def _produce(program_steps, released, kernels: Walkers):
-        """The producer warpgroup: block j into slot j % stages once the consumers released
-        the block ``stages`` before it."""
+    def _tiles(kernels: Walkers):
+        """The program's tiles: (how many, tile i, its key blocks: the most any of its query
+        blocks walks). Round i hands the P programs tiles i P .. i P + P - 1, in turn forward
+        and backward (a snake): heavy-first tiles then even out, where plain turns leave
+        the first programs ~6% more work (causal S=8192 over 132 programs)."""
+
+        def steps(tile: Tile):
+            blocks = [kernels.query_block(tile, c) for c in range(blocks_per_program)]
+            return functools.reduce(jnp.maximum, [block.num_steps for block in blocks])
+
+        if programs is None:  # one tile, the program's place in the grid
+            return 1, lambda _: kernels.tile_of(None), steps
+        program = lax.axis_index("t")
+        rounds, rest = divmod(num_tiles, grid_size)
+
+        def place(i):  # program's place in round i
+            return jnp.where(lax.rem(i, 2) == 0, program, grid_size - 1 - program)
+
+        count = rounds + (place(rounds) < rest).astype(jnp.int32)
+
+        def tile(i) -> Tile:
+            return kernels.tile_of(i * grid_size + place(i))
+
+        return count, tile, steps
+
+    def _produce(released, kernels: Walkers):
+        """The producer warpgroup: the program's key blocks, tile after tile, block g (g
+        counts the program's blocks) into slot g % stages once the consumers released the
+        block ``stages`` before it."""
         keys_released, values_released = released
         if consumers == 2 and not interpret:
             plgpu.set_max_registers(_REGISTERS[0], action="decrease")
+        count, tile_at, steps_of = _tiles(kernels)
 
         def await_release(step, barriers):
             @pl.when(step >= stages)
             def _():
                 plgpu.barrier_wait(barriers.at[lax.rem(step, stages)])
 
-        @pl.loop(0, program_steps)
-        def _issue(step):
-            await_release(step, keys_released)
-            kernels.fetch_keys(step)
-            await_release(step, values_released)
-            kernels.fetch_values(step)
+        def issue(i, first_step):
+            tile = tile_at(i)
+            steps = steps_of(tile)
+
+            @pl.loop(0, steps)
+            def _issue(j):
+                step = first_step + j
+                await_release(step, keys_released)
+                kernels.fetch_keys(tile, j, lax.rem(step, stages))
+                await_release(step, values_released)
+                kernels.fetch_values(tile, j, lax.rem(step, stages))
+
+            return first_step + steps
+
+        program_steps = lax.fori_loop(0, count, issue, jnp.int32(0))
 
         # The last blocks' releases, awaited too: the slots are free when the program ends
         # (and the interpreter checks that a barrier's waiter saw every phase).
@@ -602,14 +687,16 @@ def _flash_kernel(
         if consumers == 2 and not interpret:
             plgpu.set_max_registers(_REGISTERS[1], action="increase")
 
-    def _split_queries(blocks: list[QueryBlock], copied, released, turns, kernels: Walkers):
-        """Warpgroups 0..C-1 consume, each its own query block over every key block it sees;
-        warpgroup C produces. A slot is refilled once every consumer released it."""
+    def _split_queries(copied, released, turns, kernels: Walkers):
+        """Warpgroups 0..C-1 consume, each its own query block of the tile over every key
+        block it sees; warpgroup C produces. A slot is refilled once every consumer released
+        it. With persistent programs (two query buffers), a consumer loads its next tile's
+        queries while it walks the current one, and its output copy runs under the next."""
         keys_copied, values_copied = copied
         keys_released, values_released = released
         wg = lax.axis_index("wg")
-        program_steps = functools.reduce(jnp.maximum, [block.num_steps for block in blocks])
-        pl.when(wg == consumers)(lambda: _produce(program_steps, released, kernels))
+        pl.when(wg == consumers)(lambda: _produce(released, kernels))
+        count, tile_at, steps_of = _tiles(kernels)
 
         def release_unread(slot):
             # Arrivals only count: released before its copy lands, a slot could collect this
@@ -619,51 +706,75 @@ def _flash_kernel(
             plgpu.barrier_wait(values_copied.at[slot])
             plgpu.barrier_arrive(values_released.at[slot])
 
-        for c, block in enumerate(blocks):
-
-            @pl.when(wg == c)
-            def _consumer(block=block, c=c):
-                _consume()
-
+        def consume_tile(c, i, first_step):
+            tile = tile_at(i)
+            buffer = lax.rem(i, buffers) if buffers > 1 else 0
+            block = kernels.query_block(tile, c, buffer, first_step)
+            program_steps = steps_of(tile)
+            if buffers == 1:
+                # Only for a block that walks keys: loaded and awaited for every block, the
+                # one-tile ping-pong kernel measured 30% slower (run d7 of BENCHMARKS.md; the
+                # cause, somewhere in the compiled code, not traced).
                 @pl.when(block.num_steps > 0)
                 def _():
                     kernels.load_queries(block)
                     plgpu.barrier_wait(block.barrier)
 
-                # Ping-pong: consumer 1 starts a turn behind, consumer 0 ends one behind;
-                # between, each step hands the turn over twice (after QK is issued, after
-                # the softmax), so one consumer's softmax runs under the other's GEMMs.
-                if turns is not None and c == 1:
-                    _take_turn(turns)
-                acc, _, row_sum = kernels.walk(
-                    block,
-                    _nothing,
-                    lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
-                    lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
-                    turns,
-                )
+            else:  # the other buffer, once the last output copy read it
+                plgpu.barrier_wait(block.barrier)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-                # Blocks another consumer still reads: released unread, so the producer
-                # can refill their slots (and, with ping-pong, their turns passed on).
-                @pl.loop(block.num_steps, program_steps)
-                def _(step):
-                    if turns is not None:
-                        _take_turn(turns)
-                        _take_turn(turns)
-                    release_unread(lax.rem(step, stages))
+                @pl.when(i + 1 < count)
+                def _():
+                    kernels.load_queries(kernels.query_block(tile_at(i + 1), c, 1 - buffer))
 
-                if turns is not None and c == 0:
+            # Ping-pong: consumer 1 starts a turn behind, consumer 0 ends one behind;
+            # between, each step hands the turn over twice (after QK is issued, after
+            # the softmax), so one consumer's softmax runs under the other's GEMMs.
+            if turns is not None and c == 1:
+                _take_turn(turns)
+            acc, _, row_sum = kernels.walk(
+                block,
+                _nothing,
+                lambda slot: plgpu.barrier_arrive(keys_released.at[slot]),
+                lambda slot: plgpu.barrier_arrive(values_released.at[slot]),
+                turns,
+            )
+
+            # Blocks another consumer still reads: released unread, so the producer
+            # can refill their slots (and, with ping-pong, their turns passed on).
+            @pl.loop(block.num_steps, program_steps)
+            def _(j):
+                if turns is not None:
                     _take_turn(turns)
-                kernels.finish(block, acc, row_sum)
+                    _take_turn(turns)
+                release_unread(lax.rem(first_step + j, stages))
+
+            if turns is not None and c == 0:
+                _take_turn(turns)
+            kernels.finish(block, acc, row_sum, wait=buffers == 1)
+            return first_step + program_steps
+
+        for c in range(consumers):
+
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                _consume()
+                if buffers > 1:  # the first tile's queries
+                    pl.when(count > 0)(
+                        lambda: kernels.load_queries(kernels.query_block(tile_at(0), c))
+                    )
+                lax.fori_loop(0, count, functools.partial(consume_tile, c), jnp.int32(0))
+                plgpu.wait_smem_to_gmem(0)
 
     c = blocks_per_program
     scratch = [
-        plgpu.SMEM((c, block_q, h), dtype, transforms=tiled),
+        plgpu.SMEM((buffers, c, block_q, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((stages, block_k, h), dtype, transforms=tiled),
         plgpu.SMEM((c, h, block_k), dtype) if interpret else None,
         plgpu.SMEM((c, block_q, block_k), dtype, transforms=tiled) if interpret else None,
-        plgpu.Barrier(num_barriers=c),
+        plgpu.Barrier(num_barriers=buffers * c),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
@@ -678,10 +789,8 @@ def _flash_kernel(
             body,
             out_type=jax.ShapeDtypeStruct((b, t, n, h), dtype),
             scratch_types=scratch,
-            # Heads vary fastest: the G heads of one kv head run side by side and share its K/V
-            # blocks in L2.
-            grid=(n, num_programs_q, b),
-            grid_names=("n", "q", "b"),
+            grid=(n, num_programs_q, b) if programs is None else (grid_size,),
+            grid_names=("n", "q", "b") if programs is None else ("t",),
             compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
             interpret=_interpret_params() if interpret else None,
             **threads,
@@ -689,12 +798,28 @@ def _flash_kernel(
     )
 
 
-class QueryBlock(NamedTuple):
-    """One consumer's query block: its index in the program, first row, live rows, key
-    blocks, and its shared memory (query/output block, interpret-mode K^T and P slots) and
-    query-copy barrier."""
+class Tile(NamedTuple):
+    """One program's unit of work: query block ``program_q`` (of C x Q rows) of query head
+    ``head`` in batch row ``row``, with the row's lengths."""
 
+    head: jax.Array
+    row: jax.Array
+    program_q: jax.Array
+    kv_head: jax.Array
+    q_length: jax.Array
+    k_length: jax.Array
+
+
+class QueryBlock(NamedTuple):
+    """One consumer's query block: its tile, index in the program, query buffer, the
+    program's count of key blocks before it (its block j sits in slot (first_step + j) %
+    stages), first row, live rows, key blocks, and its shared memory (query/output block,
+    interpret-mode K^T and P slots) and query-copy barrier."""
+
+    tile: Tile
     index: int
+    buffer: object
+    first_step: object
     q_start: jax.Array
     live_rows: jax.Array
     full_steps: jax.Array
@@ -706,9 +831,12 @@ class QueryBlock(NamedTuple):
 
 
 class Walkers(NamedTuple):
-    """A program's pieces, shared by its warpgroup arrangements: the K and V copies of key
-    block j, the query copy, the walk over key blocks and the output write."""
+    """A program's pieces, shared by its warpgroup arrangements: a tile by its index, a query
+    block of a tile, the K and V copies of a tile's key block j into a slot, the query copy,
+    the walk over key blocks and the output write."""
 
+    tile_of: Callable
+    query_block: Callable
     fetch_keys: Callable
     fetch_values: Callable
     load_queries: Callable
@@ -727,11 +855,19 @@ def _take_turn(turns) -> None:
 
 
 def _shared_bytes(
-    block_q: int, block_k: int, h: int, stages: int, consumers: int, dtype: jnp.dtype
+    block_q: int,
+    block_k: int,
+    h: int,
+    stages: int,
+    consumers: int,
+    persistent: bool,
+    dtype: jnp.dtype,
 ) -> int:
-    """Shared memory of one program on the GPU: its query blocks and the K/V slots."""
+    """Shared memory of one program on the GPU: its query blocks (two buffers of them when
+    persistent) and the K/V slots."""
     size = jnp.dtype(dtype).itemsize
-    return (max(consumers, 1) * block_q + 2 * stages * block_k) * h * size
+    query_rows = (1 + persistent) * max(consumers, 1) * block_q
+    return (query_rows + 2 * stages * block_k) * h * size
 
 
 def _key_blocks(

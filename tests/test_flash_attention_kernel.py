@@ -28,7 +28,7 @@ def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
 
 @partial(
     jax.jit,
-    static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "pingpong"],
+    static_argnames=["causal", "block_q", "block_k", "stages", "consumers", "pingpong", "programs"],
 )
 def _kernel(
     q,
@@ -42,6 +42,7 @@ def _kernel(
     stages=2,
     consumers=0,
     pingpong=False,
+    programs=None,
 ):
     return fa.flash_attention(
         q,
@@ -55,6 +56,7 @@ def _kernel(
         stages=stages,
         consumers=consumers,
         pingpong=pingpong,
+        programs=programs,
         interpret=not ON_GPU,
     )
 
@@ -113,23 +115,28 @@ def test_deeper_pipelines_give_the_same_attention(case, stages):
 
 
 @pytest.mark.parametrize(
-    "case, consumers, stages, pingpong",
+    "case, consumers, stages, pingpong, programs",
     [
-        ("causal_gqa1", 2, 2, False),
-        ("cross_gqa4", 1, 3, False),
-        ("causal_gqa4_prefix", 2, 2, True),
-        ("causal_gqa1", 2, 2, True),
+        ("causal_gqa1", 2, 2, False, None),
+        ("cross_gqa4", 1, 3, False, 3),
+        ("causal_gqa4_prefix", 2, 2, True, 3),
+        ("causal_gqa1", 2, 2, True, None),
     ],
 )
-def test_warp_specialized_programs_give_the_same_attention(case, consumers, stages, pingpong):
+def test_warp_specialized_programs_give_the_same_attention(
+    case, consumers, stages, pingpong, programs
+):
     """A producer warpgroup with one or two consumers: two query blocks of one program that
     walk different numbers of key blocks (causal, ragged: the shorter one releases the
-    slots it does not read), an idle row, and more key blocks than slots; and two consumers
-    taking turns on the tensor cores (``pingpong``), where one walks fewer blocks or none."""
+    slots it does not read), an idle row, and more key blocks than slots; two consumers
+    taking turns on the tensor cores (``pingpong``), where one walks fewer blocks or none;
+    and persistent programs (3 of them over 8 or 16 tiles: uneven counts, slots and query
+    buffers reused across tiles)."""
     t, s, n, kv_heads, h, q_len, k_len, causal, block_q, block_k = CASES[case]
     q, k, v = _inputs(4, 2, t, s, n, kv_heads, h, jnp.float32)
     q_len, k_len = jnp.asarray(q_len, jnp.int32), jnp.asarray(k_len, jnp.int32)
-    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, stages, consumers, pingpong)
+    tuning = dict(stages=stages, consumers=consumers, pingpong=pingpong, programs=programs)
+    out = _kernel(q, k, v, q_len, k_len, causal, block_q, block_k, **tuning)
     ref = _reference(q, k, v, q_len, k_len, causal)
     assert _relative_error(out, ref) <= 1e-5
     padding = np.arange(t)[None, :] >= np.asarray(q_len)[:, None]
@@ -352,12 +359,14 @@ def test_paged_flash_decode_matches_the_reference(tuning):
 
 
 def test_prefill_tuning_picks_the_measured_fastest_where_it_applies():
-    """Two ping-pong consumers over 128-key blocks where T and S are multiples of 128 at head
-    dim 128 on the GPU; the defaults in the interpreter and elsewhere (and they apply)."""
+    """One persistent program per SM with two ping-pong consumers over 128-key blocks where T
+    and S are multiples of 128 at head dim 128 on the GPU (its shared memory fits); the
+    defaults in the interpreter and elsewhere (and they apply)."""
     q, k = jnp.zeros((1, 256, 8, 128), jnp.bfloat16), jnp.zeros((1, 384, 2, 128), jnp.bfloat16)
     tuning = fa.prefill_tuning(q, k, interpret=False)
-    assert tuning == {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
-    assert fa._shared_bytes(64, 128, 128, 2, 2, jnp.bfloat16) <= fa._SMEM_LIMIT
+    persistent = {"block_k": 128, "stages": 2, "consumers": 2, "pingpong": True}
+    assert tuning == {**persistent, "programs": fa.sm_count()}
+    assert fa._shared_bytes(64, 128, 128, 2, 2, True, jnp.bfloat16) <= fa._SMEM_LIMIT
     assert fa.prefill_tuning(q, k, interpret=True) == {}
     assert fa.prefill_tuning(q[:, :192], k, interpret=False) == {}
     assert fa.prefill_tuning(q[..., :64], k[..., :64], interpret=False) == {}
