@@ -1,9 +1,9 @@
 """Attention kernels against their references and their peers, on the issue's shapes.
 
-    PYTHONPATH=. python3 benchmarks/attention.py           # on the H200, bf16, ~2 minutes
+    PYTHONPATH=. python3 benchmarks/attention.py           # on the H200, bf16, ~4 minutes
     PYTHONPATH=. python3 benchmarks/attention.py --tiny    # tiny fp32 shapes, any backend
 
-Cases: prefill, causal GQA 32/8, head dim 128 (B=1 S=8192 and B=4 S=2048), figures in
+Cases: prefill, causal GQA 32/8, head dim 128 (B=1 S=8192, B=4 S=2048, B=1 S=2048), figures in
 TFLOP/s of the causal half (``4 B N T S H / 2``); decode, GQA 32/8, head dim 128, every row at
 length S=4096 (B=64 and B=1), figures in TB/s of K/V read (``2 B S K H`` elements). Each
 implementation of a case is first checked against ``spark_jax.attention.reference_attention``
@@ -118,6 +118,8 @@ class Case:
 FULL = [
     Case("prefill_s8192", "prefill", 1, 8192, 32, 8, 128, "bfloat16"),
     Case("prefill_s2048", "prefill", 4, 2048, 32, 8, 128, "bfloat16"),
+    # DESIGN.md's "S=2048" row (cuDNN 166, torch 301) names no batch: B=1 too, from session 8.
+    Case("prefill_b1_s2048", "prefill", 1, 2048, 32, 8, 128, "bfloat16"),
     Case("decode_b64_s4096", "decode", 64, 4096, 32, 8, 128, "bfloat16"),
     Case("decode_b1_s4096", "decode", 1, 4096, 32, 8, 128, "bfloat16"),
 ]
