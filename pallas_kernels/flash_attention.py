@@ -729,8 +729,9 @@ def _flash_kernel(
                     kernels.load_queries(kernels.query_block(tile_at(i + 1), c, 1 - buffer))
 
             # Ping-pong: consumer 1 starts a turn behind, consumer 0 ends one behind;
-            # between, each step hands the turn over twice (after QK is issued, after
-            # the softmax), so one consumer's softmax runs under the other's GEMMs.
+            # between, each step hands the turn over twice (after the softmax, after its
+            # P V and next QK are issued), so one consumer's softmax runs under the other's
+            # GEMMs.
             if turns is not None and c == 1:
                 _take_turn(turns)
             acc, _, row_sum = kernels.walk(
