@@ -198,6 +198,10 @@ def test_flash_attention_declines_what_it_cannot_run():
         fa.flash_attention(q, k, k, consumers=3, interpret=True)
     with pytest.raises(ValueError, match="does not apply"):  # ping-pong takes 2 consumers
         fa.flash_attention(q, k, k, consumers=1, pingpong=True, interpret=True)
+    with pytest.raises(ValueError, match="does not apply"):  # persistent: warp-specialised
+        fa.flash_attention(q, k, k, programs=4, interpret=True)
+    with pytest.raises(ValueError, match="positive scale"):  # row max of unscaled scores
+        fa.flash_attention(q, k, k, scale=-0.125, interpret=True)
     big_q, big_k = (
         jnp.zeros((1, 256, 8, 128), jnp.bfloat16),
         jnp.zeros((1, 512, 2, 128), jnp.bfloat16),
