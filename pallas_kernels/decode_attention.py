@@ -318,7 +318,7 @@ def _transposed_keys(k_smem, kt_smem, interpret: bool):
     """K^T [H, L] as wgmma's B operand: a transposed view on the GPU, a copy in the
     interpreter (whose wgmma takes no transposed operand)."""
     if not interpret:
-        return plgpu.transpose_ref(k_smem, (1, 0))
+        return k_smem.transpose((1, 0))
     kt_smem[...] = k_smem[...].T
     return kt_smem
 
