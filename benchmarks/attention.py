@@ -9,8 +9,11 @@ length S=4096 (B=64 and B=1), figures in TB/s of K/V read (``2 B S K H`` element
 implementation of a case is first checked against ``spark_jax.attention.reference_attention``
 in fp32 on the same random inputs, with the device's free memory poisoned with NaN just
 before the run (so an output slot the kernel never writes shows up as NaN), then timed on
-the device: calls back to back, one sync per repeat (``us``; the torch peer by CUDA events),
-with the host-synced time of one call beside it (``us_synced``, ~150-250 us more):
+the device: calls back to back, the fixed cost of a chain (first launch, last sync) taken
+out by timing chains of n and 2 n calls, n = iters / 2 (``us``; the torch peer by CUDA
+events over a burst of 22 calls: 15 here at the default, as longer bursts run the H200 at
+lower clocks, -6% at S=8192 over 60 calls in run e6 of BENCHMARKS.md), with the host-synced
+time of one call beside it (``us_synced``, ~150-250 us more):
 
 - ``pallas`` our Mosaic GPU kernels (``pallas_kernels``; interpreted off the GPU): the flash
   kernel for prefill (``_s3``: 3 K/V stages, ``_k128``: 128-key blocks) and the split-K
@@ -74,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (
-    chain_seconds,
+    back_to_back_seconds,
     copy_bandwidth,
     emit,
     matmul_rate,
@@ -516,9 +519,9 @@ def run_case(case: Case, iters: int, only: list[str] | None = None) -> dict[str,
             if name.startswith("stream"):  # copies only: no attention to check
                 entry = {"check": "none: copies only"}
             call = partial(fn, q, *kv, lengths)
-            # Back to back, one sync per repeat: the device's time (as torch's CUDA events
-            # measure its peer), not the host's launch and sync (kept as ``us_synced``).
-            seconds, _, _ = chain_seconds(lambda _, c=call: c(), None, iters, repeats=3, warmup=1)
+            # Back to back, a chain's launch and sync taken out: the device's time (as torch's
+            # CUDA events measure its peer), not the host's (kept as ``us_synced``).
+            seconds = back_to_back_seconds(call, max(iters // 2, 1))
             entry["us"] = seconds * 1e6
             entry["us_synced"] = median_seconds(call, warmup=0, iters=iters) * 1e6
             unit = "tflop_s" if case.kind == "prefill" else "tb_s"
