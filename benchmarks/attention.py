@@ -25,7 +25,7 @@ time of one call beside it (``us_synced``, ~150-250 us more):
   ``_persistent``: one program per SM, each walking its share of the tiles (``programs``;
   the model's prefill: ``flash_attention.prefill_tuning``),
 - ``pallas_flash`` the decode step through the flash kernel (``flash_decode_attention``, the
-  route of ``implementation="pallas"`` at many rows; ``_k64``: 64-key blocks, ``_s3``: 64-key
+  route of ``implementation="pallas"`` at many rows; ``_k128``: 128-key blocks, ``_s3``: 64-key
   blocks in 3 stages),
 - ``cudnn`` ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (GPU only),
 - ``stream_k<L>_s<stages>`` the ceiling of the decode walk's structure: its K/V copies alone
@@ -169,7 +169,7 @@ PREFILL_TUNINGS: dict[str, dict[str, Any]] = {
 }
 FLASH_DECODE_TUNINGS: dict[str, dict[str, Any]] = {
     "pallas_flash": {},
-    "pallas_flash_k64": {"block_k": 64},
+    "pallas_flash_k128": {"block_k": 128},
     "pallas_flash_s3": {"block_k": 64, "stages": 3},
     "pallas_flash_ws_k128_s3": {"block_k": 128, "stages": 3, "consumers": 1},
     "pallas_flash_ws_k64_s6": {"block_k": 64, "stages": 6, "consumers": 1},

@@ -272,27 +272,29 @@ def flash_decode_attention(
     """A decode step through the flash kernel: q [B,1,N,H] over k/v [B,S,K,H], keys below
     ``key_lengths[b]`` -> [B,1,N,H]; a row of length 0 gives zeros. With ``block_table``
     int32[B, W], k and v are page pools [pages, page size, K, H] read in place. ``block_k``
-    (default 128 keys where they tile the rows), ``stages`` and ``consumers`` (0 or 1) as in
-    ``flash_attention``.
+    (default 64 keys over dense rows, 128 over pages), ``stages`` and ``consumers`` (0 or 1)
+    as in ``flash_attention``.
 
     Each kv head's G query heads become the rows of one 64-row query block (GQA 1 inside the
     kernel), so one program per (row, kv head) walks every key of its row with the K/V copies
     pipelined, and writes the normalised output: no partials, no merge. It fills the GPU when
     B x K is a few times the SM count (B=64, K=8: 512 programs); a small batch leaves SMs idle,
     where the split-K kernel (``decode_attention``) is the one to use. Measured on the H200 at
-    B=64, S=4096, GQA 32/8: 2.55 TB/s with 128-key blocks, cuDNN 2.45 in the same run.
+    B=64, S=4096, GQA 32/8 (run e7 of BENCHMARKS.md): 4.17 TB/s of K/V with 64-key blocks, 3.73
+    with 128, cuDNN 4.59 and torch 4.47 in the same run.
     """
     b, _, n, h = q.shape
     kv_heads = k.shape[2]
     if not flash_decode_applies(q, k, paged=block_table is not None):
         raise ValueError(f"flash_decode_attention does not apply to q {q.shape}, k {k.shape}")
-    s = k.shape[1] if block_table is None else 128
     group = n // kv_heads
     rows = q.reshape(b, kv_heads, group, h).transpose(0, 2, 1, 3)  # [B, G, K, H]
     rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
     query_lengths = jnp.full((b,), group, jnp.int32)
-    if block_k is None:  # 128: one program per SM, but measured faster than 64
-        block_k = 128 if s % 128 == 0 else 64
+    if block_k is None:
+        # Over dense rows 64-key blocks read 1-12% faster than 128 in 7 of 8 runs (c5-e7 of
+        # BENCHMARKS.md); the engine's paged walk was measured with 128 (its pages tile it).
+        block_k = 64 if block_table is None else 128
     out = flash_attention(
         rows,
         k,

@@ -315,8 +315,9 @@ def pallas_decode_applies(
 FLASH_PREFILL_BY_DEFAULT = True
 
 # A one-token step with at least this many (row, kv head) programs walks its keys through the
-# flash kernel (measured at B=64, K=8: 2.55 TB/s against split-K's 1.42-1.92); fewer leave SMs
-# idle (B=1, K=8: 0.07-0.08 TB/s against 0.15-0.18), where the keys are split instead.
+# flash kernel (measured at B=64, K=8: 2.55 TB/s against split-K's 1.42-1.92, run l of
+# BENCHMARKS.md; e7: 4.17 against 2.45-2.92); fewer leave SMs idle (B=1, K=8: 0.07-0.11 TB/s
+# against 0.16-0.18, run l), where the keys are split instead.
 FLASH_DECODE_MIN_PROGRAMS = 256
 
 
