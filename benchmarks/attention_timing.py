@@ -7,8 +7,8 @@ and two implementations (our persistent flash kernel, the model's prefill, and c
 ``jax.nn.dot_product_attention``), TFLOP/s from:
 
 - ``chain10``: 10 calls back to back after one sync, the chain's launch and sync included
-  (the attention benchmark's ``us`` before run e5),
-- ``back_to_back``: chains of 5 and 10 calls, their difference (its ``us`` since),
+  (the attention benchmark's ``us`` until run e4 of BENCHMARKS.md),
+- ``back_to_back``: chains of 5 and 10 calls, their difference (its ``us`` since run e7),
 - ``chain40``: 40 calls back to back (a sustained burst, lower clocks),
 - ``kernel``: the kernels' own durations in a JAX profiler trace of 20 calls (the profiler
   spaces the calls out),
