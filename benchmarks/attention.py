@@ -6,7 +6,7 @@
 Cases: prefill, causal GQA 32/8, head dim 128 (B=1 S=8192, B=4 S=2048, B=1 S=2048), figures in
 TFLOP/s of the causal half (``4 B N T S H / 2``); decode, GQA 32/8, head dim 128, every row at
 length S=4096 (B=64 and B=1), figures in TB/s of K/V read (``2 B S K H`` elements). Each
-implementation of a case is first checked against ``spark_jax.attention.reference_attention``
+implementation of a case is first checked against ``spark_jax.ops.attention.reference_attention``
 in fp32 on the same random inputs, with the device's free memory poisoned with NaN just
 before the run (so an output slot the kernel never writes shows up as NaN), then timed on
 the device: calls back to back, the fixed cost of a chain (first launch, last sync) taken
@@ -34,7 +34,7 @@ time of one call beside it (``us_synced``, ~150-250 us more):
 - ``pallas_flash_headmajor`` / ``cudnn_headmajor`` the same decode over K/V stored head-major
   ([B, K, S, H], torch's layout; each kv head of a row as a row of its own),
 - ``xla`` the reference as the engine runs it,
-- ``cudnn_paged`` cuDNN's paged attention (``spark_jax.attention.cache_attention``) over the
+- ``cudnn_paged`` cuDNN's paged attention (``spark_jax.ops.attention.cache_attention``) over the
   same K/V laid out in 16-key pages of a shuffled pool, and ``gather_cudnn`` what the batching
   engine did before it: gather the pages into rows, then ``cudnn`` (decode cases, GPU only),
 - ``pallas_paged`` our paged kernel (``pallas_kernels/paged_attention.py``) over the same pool,
@@ -88,7 +88,7 @@ from benchmarks.common import (
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.flash_attention import flash_attention, flash_decode_attention, sm_count
 from pallas_kernels.paged_attention import paged_attention
-from spark_jax.attention import AttentionMask, reference_attention
+from spark_jax.ops.attention import AttentionMask, reference_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 Impl = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]  # q, k, v, lengths
@@ -259,7 +259,7 @@ def _paged(case: Case, attend: Callable[..., jax.Array]) -> Impl:
     """``attend(q, k_pages, v_pages, lengths)`` over the case's K/V (``inputs``, same seed) in
     a shuffled pool of ``PagedLayer`` pages; ``run_case`` passes the pools (``run.operands``)
     in place of k and v, as arguments, not as jit constants."""
-    from spark_jax.kv_cache import PagedLayer
+    from spark_jax.ops.kv_cache import PagedLayer
 
     _, k, v, _ = inputs(case)
     per_row = case.s // PAGE_SIZE
@@ -313,13 +313,13 @@ def _pallas_paged_flash(q, k_pages, v_pages, lengths, interpret: bool, **tuning)
 
 
 def _cudnn_paged(q, k_pages, v_pages, lengths) -> jax.Array:
-    from spark_jax.attention import cache_attention
+    from spark_jax.ops.attention import cache_attention
 
     return cache_attention(q, k_pages, v_pages, None, _decode_mask(lengths))
 
 
 def _gather_cudnn(q, k_pages, v_pages, lengths) -> jax.Array:
-    from spark_jax.attention import cudnn_decode_attention
+    from spark_jax.ops.attention import cudnn_decode_attention
 
     mask = _decode_mask(lengths)
     return cudnn_decode_attention(q, k_pages.read(None), v_pages.read(None), mask)

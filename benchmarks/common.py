@@ -101,7 +101,7 @@ def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
 
 def add_flash_prefill_flag(parser: argparse.ArgumentParser) -> None:
     """``--flash-prefill`` / ``--no-flash-prefill``: our flash kernel in the default prefill
-    dispatch of the run or not (``spark_jax.attention.FLASH_PREFILL_BY_DEFAULT``, on by
+    dispatch of the run or not (``spark_jax.ops.attention.FLASH_PREFILL_BY_DEFAULT``, on by
     default as in the library); the caller sets the flag from it."""
     parser.add_argument(
         "--flash-prefill",

@@ -15,7 +15,7 @@ Modes (all by default): ``peer`` HF transformers (torch, same GPU, eager and sdp
 process of its own so JAX and torch never share GPU memory), ``check`` greedy tokens of the
 engine against recomputed logits (tiny fp32 model on the device) and finite logits,
 ``bs1`` the decode step at context 4k with its compile time and HLO report, ``engine``
-``spark_jax.engine.generate`` end to end, ``batch`` bs 8/32/64/128 at context 2k,
+``spark_jax.generation.generate.generate`` end to end, ``batch`` bs 8/32/64/128 at context 2k,
 ``prefill`` 4 x 2048 tokens, ``micro`` decode attention alone per implementation, and
 ``variants`` the whole decode step with the changes proposed in proposed_patch.diff, and
 ``flags`` bs=1 and bs=64 again in a child process under ALTERNATIVE_XLA_FLAGS. ``--tiny`` runs
@@ -60,14 +60,14 @@ from benchmarks.common import (
     torch_median_seconds,
 )
 from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
-from spark_jax import attention
-from spark_jax.attention import AttentionMask, reference_attention, split_kv_attention
 from spark_jax.config import ModelConfig
-from spark_jax.engine import generate
-from spark_jax.kv_cache import KVCache, read_rows
+from spark_jax.generation.generate import generate
 from spark_jax.model import Model
 from spark_jax.models import decoder
-from spark_jax.sampling import SamplingParams
+from spark_jax.ops import attention
+from spark_jax.ops.attention import AttentionMask, reference_attention, split_kv_attention
+from spark_jax.ops.kv_cache import KVCache, read_rows
+from spark_jax.ops.sampling import SamplingParams
 
 MODES = ("peer", "check", "bs1", "engine", "batch", "prefill", "micro", "variants", "flags")
 SAVED_HLO = ("bs1", "bs64", "heads_major_bs64")  # $OUT takes 8 files at most
@@ -425,7 +425,7 @@ def stage_decode(
 
 
 def stage_engine(plan: Plan, params: Any) -> dict[str, Any]:
-    """``spark_jax.engine.generate``, greedy, ignore_eos: twice (cold with compiles, warm)."""
+    """``sj.generate``, greedy, ignore_eos: twice (cold with compiles, warm)."""
 
     config = plan.config
     model = Model(config, params, max_num_seqs=4)

@@ -54,8 +54,8 @@ from benchmarks.decode import (
     random_tokens,
     weight_bytes_per_step,
 )
-from spark_jax.lora import LoraAdapter, LoraPool
 from spark_jax.models import decoder
+from spark_jax.ops.lora import LoraAdapter, LoraPool
 
 
 def random_adapters(config, count: int, rank: int, seed: int) -> list[LoraAdapter]:

@@ -90,7 +90,7 @@ TINY = Plan(512, 32, 2, 4, 64, 128, 4, (8, 12), 8, 4, 2)
 
 def language_ids(vocab_size: int) -> dict[str, int]:
     """NLLB's id layout: the 202 language codes sit just below <mask> at the vocab's end."""
-    from spark_jax.nllb_languages import FAIRSEQ_LANGUAGE_CODES
+    from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES
 
     first = vocab_size - LANGUAGE_CODES_FROM_END
     return {code: first + i for i, code in enumerate(FAIRSEQ_LANGUAGE_CODES)}
@@ -345,7 +345,7 @@ class _Timer:
 def beam_breakdown(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str, float]:
     """One beam call with each part timed apart (synced), and the device step alone."""
     import spark_jax as sj
-    from spark_jax import beam
+    from spark_jax.generation import beam
 
     runner = model.runner
     rows = beam.bucket(plan.num_sources * plan.num_beams, minimum=8)
@@ -398,7 +398,7 @@ def beam_breakdown(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str
 
 def greedy_breakdown(model: Any, plan: Plan, sources: list[list[int]]) -> dict[str, float]:
     """The device step alone (decode + argmax, back to back) against the engine's per step."""
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     runner = model.runner
     n = len(sources)
@@ -443,7 +443,7 @@ def engine_split(model: Any, plan: Plan, sources: list[list[int]], repeats: int 
     host/device overlap the engine has, so the parts add up to slightly more than ``ours_s``.
     """
     import spark_jax as sj
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     runner = model.runner
     prefill = _Timer(runner.prefill, sync=True)
@@ -541,7 +541,7 @@ def _loop_ms_per_step(run: Callable[[int], Any], steps: int) -> float:
 
 def _xla_attention_ms(run: Callable[..., Any], steps: int) -> float:
     """The step of ``run`` with every attention through the jnp reference instead of cuDNN."""
-    from spark_jax.attention import forced_implementation
+    from spark_jax.ops.attention import forced_implementation
 
     jax.clear_caches()  # the dispatch acts at trace time: trace the step again
     try:
@@ -642,7 +642,7 @@ def main() -> None:
     def greedy_fixed_chunks() -> list[list[int]]:
         """Greedy with every device chunk running all its steps (no predicate read back per
         step: ``engine.CHUNKS_EXIT_EARLY = False``), against the same HF greedy figure."""
-        from spark_jax import engine
+        from spark_jax.generation import generate as engine
 
         saved, engine.CHUNKS_EXIT_EARLY = engine.CHUNKS_EXIT_EARLY, False
         try:

@@ -46,14 +46,14 @@ from benchmarks.nllb import (
     make_sources,
 )
 from benchmarks.nllb_step import build
-from spark_jax.compile_options import device_loop_options
+from spark_jax.generation.compile_options import device_loop_options
 
 
 @contextmanager
 def recording(model: Any) -> Iterator[list[tuple[str, float, float]]]:
     """Records (name, start, end) on the host clock of every device call of the engine's greedy
     call and every readback, without syncing anything."""
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     events: list[tuple[str, float, float]] = []
     runner = model.runner
@@ -111,7 +111,7 @@ LOOP_OPTIONS = {
 
 def decode_chunk_with(options: str) -> Callable[..., Any]:
     """``engine._decode_chunk`` compiled with the XLA options named (``LOOP_OPTIONS``)."""
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     return jax.jit(
         engine._decode_chunk.__wrapped__,
@@ -124,8 +124,8 @@ def decode_chunk_with(options: str) -> Callable[..., Any]:
 @contextmanager
 def variant(name: str) -> Iterator[None]:
     """The engine and model patched for one variant (restored after)."""
-    from spark_jax import engine
-    from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
+    from spark_jax.generation import generate as engine
+    from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
     from spark_jax.models import nllb
 
     saved = engine.STEPS_PER_SYNC, nllb.prefill, engine._decode_chunk, engine.CHUNKS_EXIT_EARLY
@@ -166,7 +166,7 @@ def _engine_state(model: Any, plan: Plan) -> Any:
     """A cache of the engine's greedy call's shapes, its rows 40 positions in."""
     import jax.numpy as jnp
 
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     sources = make_sources(plan)
     n = len(sources)
@@ -196,8 +196,8 @@ def chunk_steps(model: Any, plan: Plan, name: str) -> Callable[..., Any]:
     variant ``name`` says), each call from rows 40 positions in; ``.lower(k)``: its program."""
     import jax.numpy as jnp
 
-    from spark_jax import engine
-    from spark_jax.sampling import SamplerBatch
+    from spark_jax.generation import generate as engine
+    from spark_jax.ops.sampling import SamplerBatch
 
     _, options, exit_rule = name.split("_")
     fn = decode_chunk_with(options)

@@ -105,7 +105,7 @@ def time_variant(
 ) -> dict[str, Any]:
     """ms per step of the fixed-count loop and its kernel profile under one variant
     (``width`` > 0: beam search's pick, a top-``width`` of the log-softmax, instead of argmax)."""
-    from spark_jax.attention import forced_implementation
+    from spark_jax.ops.attention import forced_implementation
 
     loop = _variant_loop(compiler_options)
     tokens = jnp.full((rows,), 5, jnp.int32)
@@ -156,7 +156,7 @@ def engine_call(
 ) -> dict[str, Any]:
     """The engine's greedy call: wall time, and its kernels' busy time against their span."""
     import spark_jax as sj
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     sources = make_sources(plan)
     params = greedy_params(plan)
@@ -188,7 +188,7 @@ def beam_call(model: Any, plan: Plan, attention: str | None) -> dict[str, Any]:
     """The engine's beam-search call (``sj.generate_beam``): median wall seconds, with the
     attention dispatch's choice or one implementation forced."""
     import spark_jax as sj
-    from spark_jax.attention import forced_implementation
+    from spark_jax.ops.attention import forced_implementation
 
     requests = beam_requests(plan, make_sources(plan))
     jax.clear_caches()
@@ -249,7 +249,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     plan = TINY if args.tiny else FULL
-    from spark_jax.compile_options import device_loop_options
+    from spark_jax.generation.compile_options import device_loop_options
 
     t0 = time.perf_counter()
     model = build(plan)

@@ -31,13 +31,13 @@ import numpy as np
 
 from benchmarks.common import chain_seconds, emit, print_table, read_bandwidth
 from pallas_kernels.one_query_attention import one_query_attention
-from spark_jax.attention import (
+from spark_jax.ops.attention import (
     AttentionMask,
     cudnn_decode_attention,
     pallas_decode_attention,
     reference_attention,
 )
-from spark_jax.kv_cache import write_kv
+from spark_jax.ops.kv_cache import write_kv
 
 ON_GPU = jax.default_backend() == "gpu"
 FULL = dict(layers=12, heads=16, head_dim=64, self_len=128, length=40, source_len=64, src=30)

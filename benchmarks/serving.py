@@ -139,7 +139,7 @@ def build_engine(plan: Plan) -> tuple[Any, dict[str, float]]:
 
     import spark_jax as sj
     from spark_jax.models import decoder
-    from spark_jax.scheduler import Engine
+    from spark_jax.serving.engine import Engine
 
     start = time.perf_counter()
     params = decoder.init_params(plan.config, jax.random.key(0), plan.dtype)

@@ -33,11 +33,11 @@ import numpy as np
 
 from benchmarks.common import chain_seconds, emit, print_table
 from benchmarks.shapes import LLAMA3_8B, TINY
-from spark_jax.engine import GenerationResult, generate
+from spark_jax.generation.generate import GenerationResult, generate
+from spark_jax.generation.speculative import Draft, generate_speculative
 from spark_jax.model import Model
 from spark_jax.models import decoder
-from spark_jax.sampling import SamplingParams
-from spark_jax.speculative import Draft, generate_speculative
+from spark_jax.ops.sampling import SamplingParams
 
 
 class ReplayDrafter:

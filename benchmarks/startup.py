@@ -36,8 +36,8 @@ import numpy as np
 from benchmarks.common import add_flash_prefill_flag, emit, print_table
 from benchmarks.serving import FULL, SMALL, Plan
 from benchmarks.shapes import hf_llama_kwargs
-from spark_jax import attention
 from spark_jax.checkpoint import PARAMS_DIR, save_params
+from spark_jax.ops import attention
 
 TARGET_S = 60.0
 
@@ -69,7 +69,7 @@ def read_files(path: Path) -> float:
 def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
     """Times load, engine creation, warm-up and the first token, in that order."""
     import spark_jax as sj
-    from spark_jax.scheduler import Engine
+    from spark_jax.serving.engine import Engine
 
     times: dict[str, Any] = {}
     start = time.perf_counter()

@@ -36,7 +36,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from spark_jax.attention import AttentionMask, reference_attention
+from spark_jax.ops.attention import AttentionMask, reference_attention
 
 ROWS = 64  # the wgmma M tile: query rows per program
 _MASKED = -1e30  # finite, so a row with no visible key in a chunk gives no NaN

@@ -68,7 +68,7 @@ from pallas_kernels.decode_attention import (
     _with_layout,
 )
 from pallas_kernels.paged_attention import _chunked_table
-from spark_jax.attention import AttentionMask, reference_attention
+from spark_jax.ops.attention import AttentionMask, reference_attention
 
 _LOG2E = math.log2(math.e)
 _NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero

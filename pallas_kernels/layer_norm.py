@@ -4,7 +4,7 @@ XLA emits a LayerNorm as two kernels, a reduction for the statistics and an elem
 that applies them (its fusion cannot feed a reduction's result back into the same kernel).
 NLLB-600M's decode step has 37 norms over 32 rows of 1024: 74 kernels of ~1.5 us each, for
 ~2 MB of data in all, launch-bound. Here one program normalises one row: it loads the row
-once, computes E[x] and E[x^2] in fp32 (the one-pass form of ``spark_jax.layers.layer_norm``,
+once, computes E[x] and E[x^2] in fp32 (the one-pass form of ``spark_jax.ops.layers.layer_norm``,
 the reference), and writes the scaled, shifted row in the output dtype.
 
 Interpret mode runs the same kernel on the CPU.

@@ -39,8 +39,8 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from spark_jax.attention import AttentionMask, reference_attention
-from spark_jax.kv_cache import read_through
+from spark_jax.ops.attention import AttentionMask, reference_attention
+from spark_jax.ops.kv_cache import read_through
 
 _MASKED = -1e30  # finite: a block with no visible key leaves the running max untouched
 

@@ -49,7 +49,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_applies,
     decode_attention_reference,
 )
-from spark_jax.kv_cache import PagedLayer
+from spark_jax.ops.kv_cache import PagedLayer
 
 
 def paged_attention_reference(

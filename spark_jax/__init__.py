@@ -5,9 +5,9 @@ m = sj.load(path)
 r = sj.generate(m, prompt_ids, sj.SamplingParams(max_tokens=64))
 """
 
-from spark_jax.beam import BeamRequest, BeamResult, generate_beam
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
-from spark_jax.engine import (
+from spark_jax.generation.beam import BeamRequest, BeamResult, generate_beam
+from spark_jax.generation.generate import (
     GenerationResult,
     StreamOutput,
     TokenLogprobs,
@@ -16,10 +16,7 @@ from spark_jax.engine import (
     generate_streaming,
     stream,
 )
-from spark_jax.model import Model, load
-from spark_jax.sampling import SamplingParams
-from spark_jax.scheduler import Engine, RequestOutput
-from spark_jax.speculative import (
+from spark_jax.generation.speculative import (
     Draft,
     Drafter,
     DraftModelDrafter,
@@ -28,6 +25,9 @@ from spark_jax.speculative import (
     SpeculativeResult,
     generate_speculative,
 )
+from spark_jax.model import Model, load
+from spark_jax.ops.sampling import SamplingParams
+from spark_jax.serving.engine import Engine, RequestOutput
 
 __all__ = [
     "BeamRequest",

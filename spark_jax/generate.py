@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [_encode(model, args, text) for text in texts]
 
     if model.config.is_encoder_decoder and args.num_beams > 1:
-        from spark_jax.beam import BeamRequest, generate_beam
+        from spark_jax.generation.beam import BeamRequest, generate_beam
 
         requests = [
             BeamRequest(
@@ -229,7 +229,7 @@ class _CallableModule(types.ModuleType):
     hiding the function ``sj.generate``; calling the module therefore calls the function."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from spark_jax.engine import generate
+        from spark_jax.generation.generate import generate
 
         return generate(*args, **kwargs)
 

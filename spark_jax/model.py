@@ -1,7 +1,7 @@
 """The loaded-model handle and the small protocol the engine drives.
 
 ``load(path)`` turns a converted checkpoint directory into a ``Model``: config, params,
-tokenizer and the family's ``Runner``. The engine (``spark_jax.engine``) imports no model
+tokenizer and the family's ``Runner``. Generation (``spark_jax.generation``) imports no model
 file: it only calls the ``Runner`` methods below, which both families implement.
 """
 
@@ -119,7 +119,7 @@ class Model:
 
     def enable_lora(self, max_adapters: int = 8, max_rank: int = 16) -> None:
         """Creates the adapter pool (its size is fixed: steps compile once for it)."""
-        from spark_jax.lora import LoraPool
+        from spark_jax.ops.lora import LoraPool
 
         if self.lora_pool is not None:
             raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
@@ -133,7 +133,7 @@ class Model:
         ``self.params`` itself (no second copy of the weights; see ``LoraPool.fuse_into``):
         arrays taken from ``params`` before then are deleted. ``merged`` gives plain params.
         """
-        from spark_jax.lora import read_peft_adapter
+        from spark_jax.ops.lora import read_peft_adapter
 
         adapter = read_peft_adapter(path, name)
         if self.lora_pool is None:

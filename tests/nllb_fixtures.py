@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from spark_jax.config import config_from_hf  # noqa: E402
 from spark_jax.models import nllb  # noqa: E402
-from spark_jax.nllb_languages import FAIRSEQ_LANGUAGE_CODES  # noqa: E402
+from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES  # noqa: E402
 
 SPM_SIZE = 96
 FIRST_PIECE = 4  # 0..3 are <s>, <pad>, </s>, <unk>

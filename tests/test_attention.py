@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spark_jax import attention as att
+from spark_jax.ops import attention as att
 
 
 def _inputs(seed, b, t, n, kv_heads, h, s, dtype=jnp.float32):
@@ -59,7 +59,7 @@ def test_cudnn_decode_attention_matches_the_reference_on_gpu():
 def _paged_inputs(seed, b, n, kv_heads, h, page_size, num_pages, width, dtype=jnp.float32):
     """A page pool, a block table of distinct pages (num_pages where a row owns none), and the
     decode query and mask of rows with random lengths."""
-    from spark_jax.kv_cache import PagedLayer
+    from spark_jax.ops.kv_cache import PagedLayer
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, width * page_size + 1, b)

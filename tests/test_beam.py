@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from spark_jax import beam
-from spark_jax.beam import BeamRequest, generate_beam
+from spark_jax.generation import beam
+from spark_jax.generation.beam import BeamRequest, generate_beam
 
 MAX_NEW = 20
 
@@ -191,7 +191,7 @@ def test_the_device_search_loop_compiles_once_per_layout(runner):
 def test_reordering_moves_every_valid_position_of_each_row(max_len):
     """Row r ends up equal to row source[r] below its length, whatever part of the buffer the
     reorder skips; cross K/V move only when asked."""
-    from spark_jax.kv_cache import EncoderDecoderCache
+    from spark_jax.ops.kv_cache import EncoderDecoderCache
 
     rng = np.random.default_rng(3)
     cache = EncoderDecoderCache.create(2, 6, max_len, 8, 2, 4, np.float32)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax import beam
+from spark_jax.generation import beam
 
 
 def _reference(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

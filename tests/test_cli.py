@@ -21,9 +21,9 @@ import sentencepiece
 
 import spark_jax as sj
 from conversion.hf_to_orbax import convert
-from spark_jax import beam as beam_module
-from spark_jax.engine import generate
 from spark_jax.generate import main
+from spark_jax.generation import beam as beam_module
+from spark_jax.generation.generate import generate
 
 SENTENCES = ["the quick brown fox", "hello world again", "a lazy dog sleeps here"]
 MAX_TOKENS = 12

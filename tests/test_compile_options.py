@@ -4,7 +4,7 @@ accepted by the compiler (CPU ignores the GPU options; an unknown name would be 
 import jax
 import jax.numpy as jnp
 
-from spark_jax import compile_options
+from spark_jax.generation import compile_options
 
 
 def test_command_buffers_on_by_default_and_off_by_environment(monkeypatch):

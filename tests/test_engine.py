@@ -10,7 +10,7 @@ import pytest
 from conftest import random_prompt
 
 import spark_jax as sj
-from spark_jax import engine
+from spark_jax.generation import generate as engine
 from spark_jax.models import decoder
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -132,7 +132,7 @@ def test_a_batch_without_a_consumer_ends_every_row_as_the_streamed_batch_does(ti
 def test_fixed_count_chunks_give_the_early_exit_chunks_results(tiny_llama, monkeypatch):
     """``CHUNKS_EXIT_EARLY = False``: every chunk runs all its steps, rows that ended idle in it
     (stops mid-chunk, a stop on the first token, short max_tokens, a seeded sampled row)."""
-    from spark_jax import engine
+    from spark_jax.generation import generate as engine
 
     _, model = tiny_llama
     prompts = [random_prompt(60 + i, 4 + 3 * i) for i in range(5)]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
-from spark_jax.attention import PAGED_WALK_TUNING
+from spark_jax.ops.attention import PAGED_WALK_TUNING
 
 ON_GPU = jax.default_backend() == "gpu"
 PAGED_WALK = PAGED_WALK_TUNING  # the engine's paged walk
@@ -250,7 +250,7 @@ def test_the_dispatch_runs_the_flash_kernel_on_the_models_prefill_mask():
     """``attention(..., implementation="pallas")`` for a chunk appended to a cached prefix
     (positions ``starts + t``, keys below ``starts + num_new``): the real queries match the
     reference; padding queries (t >= num_new) are the kernel's zeros."""
-    from spark_jax import attention as att
+    from spark_jax.ops import attention as att
 
     rng = np.random.default_rng(21)
     b, t, s, n, kv_heads, h = 2, 64, 128, 4, 2, 64
@@ -293,7 +293,7 @@ def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
     """``attention(..., implementation="pallas")`` on a one-token step: the flash walk once
     rows x kv heads reach ``FLASH_DECODE_MIN_PROGRAMS``, with a causal mask whose query sits
     before its row's end (the walk then stops at the query); split-K below it."""
-    from spark_jax import attention as att
+    from spark_jax.ops import attention as att
 
     q, k, v = _inputs(6, 2, 1, 128, 4, 2, 64, jnp.float32)
     lengths, positions = jnp.asarray([128, 70], jnp.int32), jnp.asarray([[100], [69]], jnp.int32)

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import spark_jax as sj
-from spark_jax.attention import forced_implementation
 from spark_jax.config import ModelConfig, RopeConfig
 from spark_jax.models import decoder
-from spark_jax.scheduler import Engine
+from spark_jax.ops.attention import forced_implementation
+from spark_jax.serving.engine import Engine
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """The one-kernel LayerNorm (``pallas_kernels/layer_norm.py``) against the jnp reference, in
-interpret mode on CPU (compiled on the GPU), and the dispatch of ``spark_jax.layers``."""
+interpret mode on CPU (compiled on the GPU), and the dispatch of ``spark_jax.ops.layers``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import layer_norm as ln
-from spark_jax import layers
+from spark_jax.ops import layers
 
 ON_GPU = jax.default_backend() == "gpu"
 

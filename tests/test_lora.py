@@ -11,9 +11,9 @@ import torch
 from conftest import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, random_prompt
 
 import spark_jax as sj
-from spark_jax import engine
-from spark_jax.lora import LoraAdapter, LoraPool, LoraTarget
+from spark_jax.generation import generate as engine
 from spark_jax.models import decoder
+from spark_jax.ops.lora import LoraAdapter, LoraPool, LoraTarget
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name -> LoraConfig kwargs; B initialised non-zero (init_lora_weights=False)
@@ -197,7 +197,7 @@ def test_the_engine_steps_fused_kernels_and_adapter_changes_never_recompile(lora
     and swapping an adapter after it only rewrites the A columns in place: nothing compiles."""
     from test_scheduler import CompileCounter
 
-    from spark_jax.scheduler import Engine
+    from spark_jax.serving.engine import Engine
 
     _, model, peft_models = lora_setup
     runner = model.runner
@@ -278,7 +278,7 @@ def test_adding_an_adapter_widens_the_models_own_kernels_and_frees_the_old(fresh
 def test_merged_and_speculative_drafts_work_from_an_adapted_model(fresh_model):
     """``merged`` gives plain kernels from fused ones; a layer-skip draft (sharing the model's
     layer dicts) and plain target steps run on the widened kernels with no adapter input."""
-    from spark_jax.speculative import LayerSkipDrafter, generate_speculative
+    from spark_jax.generation.speculative import LayerSkipDrafter, generate_speculative
 
     hf, model, adapter_dir = fresh_model
     prompt = random_prompt(600, 9)

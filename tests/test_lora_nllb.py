@@ -10,8 +10,8 @@ import torch
 from conftest import add_peft_adapters, make_peft
 
 import spark_jax as sj
-from spark_jax import engine
-from spark_jax.beam import BeamRequest, generate_beam
+from spark_jax.generation import generate as engine
+from spark_jax.generation.beam import BeamRequest, generate_beam
 from spark_jax.model import Model
 from spark_jax.models import nllb
 

@@ -122,9 +122,9 @@ def test_greedy_translation_is_token_identical_to_hf_generate(hf, runner):
 
 
 def test_the_engine_translates_greedily_like_hf(hf, runner):
-    import spark_jax.engine as engine
+    import spark_jax.generation.generate as engine
     from spark_jax.model import Model
-    from spark_jax.sampling import SamplingParams
+    from spark_jax.ops.sampling import SamplingParams
 
     sources = nf.random_sources(seed=5, count=20)
     model = Model(runner.config, runner.params, tokenizer=None, runner=runner)
@@ -134,7 +134,7 @@ def test_the_engine_translates_greedily_like_hf(hf, runner):
 
 
 def test_the_target_language_comes_from_the_request_or_the_default(hf, runner):
-    from spark_jax.sampling import SamplingParams
+    from spark_jax.ops.sampling import SamplingParams
 
     src = nf.random_sources(seed=6, count=1)[0]
     state = runner.init_state(4, 32, len(src))
@@ -147,7 +147,7 @@ def test_the_target_language_comes_from_the_request_or_the_default(hf, runner):
 
 
 def test_bad_requests_are_clear_errors(runner):
-    from spark_jax.sampling import SamplingParams
+    from spark_jax.ops.sampling import SamplingParams
 
     src = nf.random_sources(seed=7, count=1)[0]
     state = runner.init_state(4, 32, 200)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import one_query_attention as oq
-from spark_jax import attention as att
+from spark_jax.ops import attention as att
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -191,9 +191,9 @@ def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
     LayerNorm) against the plain one (XLA attention and LayerNorm), rows read through a row
     table and reordered between steps, both fed the same tokens: logits within bf16 rounding,
     the same argmax except near-ties (top-2 gap < 1e-2)."""
-    from spark_jax import layers
     from spark_jax.config import config_from_hf
     from spark_jax.models import nllb
+    from spark_jax.ops import layers
 
     config = config_from_hf(
         dict(

@@ -17,7 +17,7 @@ import pytest
 
 from pallas_kernels import decode_attention as dk
 from pallas_kernels import paged_attention as pk
-from spark_jax import attention as att
+from spark_jax.ops import attention as att
 
 ON_GPU = jax.default_backend() == "gpu"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import decode_attention as dk
-from spark_jax import attention as att
+from spark_jax.ops import attention as att
 
 ON_GPU = jax.default_backend() == "gpu"
 

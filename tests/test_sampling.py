@@ -1,4 +1,4 @@
-"""Specification of spark_jax.sampling: HF parity of each processor, the sampled distribution,
+"""Specification of spark_jax.ops.sampling: HF parity of each processor, the sampled distribution,
 seed reproducibility across batches, returned logprobs, parameter validation, and that
 changing parameter values never recompiles."""
 
@@ -12,7 +12,7 @@ import scipy.stats
 import torch
 from transformers.generation import logits_process as hf
 
-from spark_jax.sampling import (
+from spark_jax.ops.sampling import (
     MAX_LOGPROBS,
     SamplerBatch,
     SamplingParams,

@@ -16,8 +16,8 @@ import pytest
 from conftest import random_prompt
 
 import spark_jax as sj
-from spark_jax.kv_cache import PagedKVCache
-from spark_jax.scheduler import Engine, PageAllocator
+from spark_jax.ops.kv_cache import PagedKVCache
+from spark_jax.serving.engine import Engine, PageAllocator
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -14,7 +14,7 @@ from test_scheduler import CompileCounter
 
 import spark_jax as sj
 from spark_jax.model import Model
-from spark_jax.seq2seq_scheduler import EncoderDecoderEngine
+from spark_jax.serving.seq2seq import EncoderDecoderEngine
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ from conftest import HF_BUILDERS, TINY, model_from_hf, random_prompt
 from scipy import stats
 
 import spark_jax as sj
-from spark_jax.models import decoder
-from spark_jax.sampling import SamplerBatch, sample
-from spark_jax.speculative import (
+from spark_jax.generation.speculative import (
     Draft,
     DraftModelDrafter,
     LayerSkipDrafter,
@@ -28,6 +26,8 @@ from spark_jax.speculative import (
     skip_layers,
     target_logits,
 )
+from spark_jax.models import decoder
+from spark_jax.ops.sampling import SamplerBatch, sample
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = [random_prompt(21, 9), random_prompt(22, 31), [5, 6, 7, 5, 6, 7, 5, 6]]

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention, cache_attention
 from spark_jax.config import ModelConfig
-from spark_jax.kv_cache import KVCache, write_kv
-from spark_jax.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
-from spark_jax.lora import LoraTarget, scope
 from spark_jax.models.common import bucket, random_params
 from spark_jax.models.weights import WeightSpec
+from spark_jax.ops.attention import AttentionMask, attention, cache_attention
+from spark_jax.ops.kv_cache import KVCache, write_kv
+from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
+from spark_jax.ops.lora import LoraTarget, scope
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint layout: HF tensor names → this module tree. Q/K/V and gate/up are fused so a
@@ -339,18 +339,18 @@ class Runner:
     """Drives the decoder steps for the engine (see ``spark_jax.model.Runner``)."""
 
     # A step with an adapter row and one without compile to different programs (the latter
-    # passes lora=None): an engine warms both up (spark_jax.scheduler.Engine.warmup).
+    # passes lora=None): an engine warms both up (spark_jax.serving.engine.Engine.warmup).
     adapter_rows_change_the_program = True
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
         self.config = config
         # The Model's own params dict (one tree, never copied). Once an adapter is added its
-        # adapted kernels are widened in place to [W | A] (spark_jax.lora.LoraPool.fuse_into)
+        # adapted kernels are widened in place to [W | A] (spark_jax.ops.lora.LoraPool.fuse_into)
         # and stay so: one GEMM gives x W and x A.
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
-        self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
+        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
         self._fused_version: int | None = None  # the pool version self.params holds the A's of
         self._fuse_lock = threading.Lock()
         # The pure decode step, for device loops of several steps (one object per runner,

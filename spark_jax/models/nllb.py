@@ -18,7 +18,7 @@ the forced language token is never sampled. ``decode`` runs every row of the cac
 (R = num_slots), so reading the cache never copies it. Sources are right-padded with
 ``pad_token_id``; ``src_len`` masks the padding.
 
-Every step but ``reorder_rows`` takes an optional ``lora`` (``spark_jax.lora.LoraBatch``),
+Every step but ``reorder_rows`` takes an optional ``lora`` (``spark_jax.ops.lora.LoraBatch``),
 one adapter slot per batch row: at prefill the encoder, the cross K/V projection and the seed
 run with the request's adapter, so the cached cross K/V already carry it.
 """
@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.attention import AttentionMask, attention, packed_cache_step_attention
 from spark_jax.config import NllbConfig
-from spark_jax.kv_cache import EncoderDecoderCache, write_kv
-from spark_jax.layers import LayerNorm, Linear, sinusoidal_table
-from spark_jax.lora import LoraBatch, LoraTarget, scope
 from spark_jax.models.common import bucket, random_params
 from spark_jax.models.weights import WeightSpec
+from spark_jax.ops.attention import AttentionMask, attention, packed_cache_step_attention
+from spark_jax.ops.kv_cache import EncoderDecoderCache, write_kv
+from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
+from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoint layout: HF tensor names → this module tree. Self-attention Q/K/V are fused into one
@@ -642,7 +642,7 @@ class NllbRunner:
         self.default_tgt_lang = default_tgt_lang
         self.dtype = _params_dtype(params)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
-        self.lora_pool: Any = None  # a spark_jax.lora.LoraPool once an adapter is added
+        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
         # The pure decode step, for the engine's device loops (see decoder.Runner.decode_fn).
         self.decode_fn = partial(_decode_rows, config=config)
 

@@ -46,11 +46,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from spark_jax.attention import cudnn_paged_applies
-from spark_jax.beam import BeamResult
-from spark_jax.engine import GenerationResult, TokenLogprobs, _Request
-from spark_jax.kv_cache import PagedKVCache
-from spark_jax.sampling import SamplerBatch, SamplingParams, count_tokens, sample
+from spark_jax.generation.beam import BeamResult
+from spark_jax.generation.generate import GenerationResult, TokenLogprobs, _Request
+from spark_jax.ops.attention import cudnn_paged_applies
+from spark_jax.ops.kv_cache import PagedKVCache
+from spark_jax.ops.sampling import SamplerBatch, SamplingParams, count_tokens, sample
 
 MIN_CHUNK = 16  # the decoder's smallest prefill bucket: chunk ladders start here
 MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
@@ -249,7 +249,7 @@ class Engine:
     def __new__(cls, model: Any, *args: Any, **kwargs: Any) -> Engine:
         """``Engine(model)`` of an encoder-decoder model is an ``EncoderDecoderEngine``."""
         if cls is Engine and model.config.is_encoder_decoder:
-            from spark_jax.seq2seq_scheduler import EncoderDecoderEngine
+            from spark_jax.serving.seq2seq import EncoderDecoderEngine
 
             cls = EncoderDecoderEngine
         return super().__new__(cls)

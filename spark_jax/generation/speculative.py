@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.engine import (
+from spark_jax.generation.generate import (
     GenerationResult,
     TokenLogprobs,
     _check_prompts,
@@ -44,7 +44,7 @@ from spark_jax.engine import (
     cache_len,
 )
 from spark_jax.model import Model
-from spark_jax.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
+from spark_jax.ops.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
 
 # Folded into a seed's key for the drafter's own draws: they must be independent of the
 # target's acceptance draws, or the rejection rule no longer yields the target's distribution.

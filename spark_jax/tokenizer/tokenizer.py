@@ -27,7 +27,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from spark_jax.nllb_languages import FAIRSEQ_LANGUAGE_CODES
+from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES
 
 _REPLACEMENT_CHAR = "\ufffd"
 _NLLB_MODEL_TYPES = ("m2m_100", "nllb", "nllb-moe")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.lora import LoraBatch, scope
+from spark_jax.ops.lora import LoraBatch, scope
 
 Dtype = jnp.dtype
 

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
+from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.models.common import bucket
-from spark_jax.sampling import (
+from spark_jax.ops.sampling import (
     MAX_LOGPROBS,
     SampleOutput,
     SamplerBatch,

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from spark_jax.beam import BeamLane, BeamRequest, BeamResult, _check
+from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult, _check
 from spark_jax.models.common import bucket
-from spark_jax.sampling import SamplingParams
-from spark_jax.scheduler import (
+from spark_jax.ops.sampling import SamplingParams
+from spark_jax.serving.engine import (
     Engine,
     RequestOutput,
     _check_sampler_width,

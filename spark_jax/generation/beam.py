@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.compile_options import DEVICE_LOOP_OPTIONS
+from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.models.common import bucket
 
 _PENALTY = np.float32(-1.0e9)  # HF's "never pick this" offset, in the same float32 arithmetic

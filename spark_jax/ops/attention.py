@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from spark_jax.kv_cache import PagedLayer, read_rows, read_through, write_kv
+from spark_jax.ops.kv_cache import PagedLayer, read_rows, read_through, write_kv
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
