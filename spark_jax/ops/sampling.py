@@ -166,6 +166,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The token is the plain argmax: no penalties, biases or logprobs to compute."""
+        return (
+            self.greedy
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.logprobs is None
+        )
+
+    def stop_token_set(self, eos_token_ids: Sequence[int]) -> frozenset[int]:
+        """The token ids that end this request: stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(self.stop_token_ids) | frozenset(() if self.ignore_eos else eos_token_ids)
+
 
 # --------------------------------------------------------------------------- device batch
 
@@ -252,7 +269,7 @@ class SamplerBatch:
         )
         bias_ids = np.full((num_rows, bias_width), vocab_size, np.int32)
         bias_values = np.zeros((num_rows, bias_width), np.float32)
-        stop_lists = [sorted({*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)}) for p in rows]
+        stop_lists = [sorted(p.stop_token_set(eos_ids)) for p in rows]
         stop_ids = np.full(
             (num_rows, max(min_width, _width_bucket(max(map(len, stop_lists), default=0)))),
             vocab_size,
