@@ -7,15 +7,8 @@ r = sj.generate(m, prompt_ids, sj.SamplingParams(max_tokens=64))
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.generation.beam import BeamRequest, BeamResult, generate_beam
-from spark_jax.generation.generate import (
-    GenerationResult,
-    StreamOutput,
-    TokenLogprobs,
-    generate,
-    generate_batch,
-    generate_streaming,
-    stream,
-)
+from spark_jax.generation.generate import generate, generate_batch, generate_streaming, stream
+from spark_jax.generation.request import GenerationResult, StreamOutput, TokenLogprobs
 from spark_jax.generation.speculative import (
     Draft,
     Drafter,
@@ -25,6 +18,7 @@ from spark_jax.generation.speculative import (
     SpeculativeResult,
     generate_speculative,
 )
+from spark_jax.generation.step import LoopOptions
 from spark_jax.model import Model, load
 from spark_jax.ops.sampling import SamplingParams
 from spark_jax.serving.engine import Engine, RequestOutput
@@ -40,6 +34,7 @@ __all__ = [
     "generate_speculative",
     "GenerationResult",
     "LayerSkipDrafter",
+    "LoopOptions",
     "Model",
     "ModelConfig",
     "RequestOutput",

@@ -147,11 +147,9 @@ class Model:
 
     def adapter_slot(self, name: str | None) -> int:
         """The pool slot of an adapter name (-1 = base); unknown names are refused."""
-        if name is None:
-            return -1
-        if self.lora_pool is None:
-            raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
-        return self.lora_pool.index(name)
+        from spark_jax.ops.lora import adapter_slot
+
+        return adapter_slot(self.lora_pool, name)
 
     def merged(self, name: str) -> Model:
         """A copy of this model with one adapter folded into its weights (no per-row LoRA).

@@ -11,6 +11,7 @@ from conftest import random_prompt
 
 import spark_jax as sj
 from spark_jax.generation import generate as engine
+from spark_jax.generation import step
 from spark_jax.models import decoder
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -129,11 +130,9 @@ def test_a_batch_without_a_consumer_ends_every_row_as_the_streamed_batch_does(ti
     assert batch[5].logprobs == stream[5].logprobs
 
 
-def test_fixed_count_chunks_give_the_early_exit_chunks_results(tiny_llama, monkeypatch):
-    """``CHUNKS_EXIT_EARLY = False``: every chunk runs all its steps, rows that ended idle in it
-    (stops mid-chunk, a stop on the first token, short max_tokens, a seeded sampled row)."""
-    from spark_jax.generation import generate as engine
-
+def test_fixed_count_chunks_give_the_early_exit_chunks_results(tiny_llama):
+    """``LoopOptions(exit_early=False)``: every chunk runs all its steps, rows that ended idle
+    in it (stops mid-chunk, a stop on the first token, short max_tokens, a seeded sampled row)."""
     _, model = tiny_llama
     prompts = [random_prompt(60 + i, 4 + 3 * i) for i in range(5)]
     free = [r.output_tokens for r in sj.generate_batch(model, prompts, GREEDY)]
@@ -146,8 +145,9 @@ def test_fixed_count_chunks_give_the_early_exit_chunks_results(tiny_llama, monke
     ]
     summary = lambda rs: [(r.output_tokens, r.finish_reason, r.logprobs) for r in rs]
     early = summary(sj.generate_batch(model, prompts, params))
-    monkeypatch.setattr(engine, "CHUNKS_EXIT_EARLY", False)
-    fixed = summary(sj.generate_batch(model, prompts, params))
+    fixed = summary(
+        sj.generate_batch(model, prompts, params, loop=sj.LoopOptions(exit_early=False))
+    )
     assert fixed == early
     assert [len(tokens) for tokens, _, _ in fixed][:3] == [free[0].index(free[0][3]) + 1, 1, 2]
 
@@ -185,16 +185,16 @@ def test_prompts_of_twenty_lengths_compile_one_prefill_per_bucket_and_one_decode
 
     model = model_from_hf(hf)
     decoder.prefill.clear_cache()
-    engine._decode_chunk.clear_cache()
-    engine._pick.clear_cache()
+    step.run_chunk.clear_cache()
+    step.pick.clear_cache()
     lengths = list(range(1, 61, 3))  # 20 lengths over the buckets 16, 32, 64
     for n in lengths:
         sj.generate(model, random_prompt(n, n), sj.SamplingParams(temperature=0.0, max_tokens=4))
     buckets = {decoder.bucket(n) for n in lengths}
     assert decoder.prefill._cache_size() == len(buckets) == 3
     # The decode step runs inside the engine's device loop: one compile of the loop.
-    assert engine._decode_chunk._cache_size() == 1
-    assert engine._pick._cache_size() == 1
+    assert step.run_chunk._cache_size() == 1
+    assert step.pick._cache_size() == 1
 
 
 def test_bad_prompts_are_refused_before_any_device_work(tiny_llama):
@@ -212,13 +212,13 @@ def test_a_device_loop_that_retires_rows_early_fails_loudly_and_frees_slots(
     tiny_llama, monkeypatch
 ):
     _, model = tiny_llama
-    real = engine._decode_chunk
+    real = step.run_chunk
 
     def retiring(*args, **kwargs):
         carry, chunk = real(*args, **kwargs)
         return carry, dataclasses.replace(chunk, valid=jnp.zeros_like(chunk.valid))
 
-    monkeypatch.setattr(engine, "_decode_chunk", retiring)
+    monkeypatch.setattr(engine, "run_chunk", retiring)
     with pytest.raises(RuntimeError, match="bug"):
         sj.generate(model, random_prompt(17, 5), GREEDY)
     assert model.slot_pool.in_use == 0

@@ -11,7 +11,7 @@ import torch
 from conftest import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, random_prompt
 
 import spark_jax as sj
-from spark_jax.generation import generate as engine
+from spark_jax.generation import step
 from spark_jax.models import decoder
 from spark_jax.ops.lora import LoraAdapter, LoraPool, LoraTarget
 
@@ -71,10 +71,10 @@ def test_changing_the_adapter_mix_never_recompiles(lora_setup):
         sj.generate_batch(model, prompts, params)
 
     run(["all_r4", None, "mlp_r2"])
-    before = (decoder.prefill._cache_size(), engine._decode_chunk._cache_size())
+    before = (decoder.prefill._cache_size(), step.run_chunk._cache_size())
     run(["mlp_r2", "attn_r8_rslora", "all_r4"])
     run([None, None, "attn_r8_rslora"])
-    assert (decoder.prefill._cache_size(), engine._decode_chunk._cache_size()) == before
+    assert (decoder.prefill._cache_size(), step.run_chunk._cache_size()) == before
 
 
 def _bf16(v) -> np.ndarray:

@@ -10,7 +10,7 @@ import torch
 from conftest import add_peft_adapters, make_peft
 
 import spark_jax as sj
-from spark_jax.generation import generate as engine
+from spark_jax.generation import step
 from spark_jax.generation.beam import BeamRequest, generate_beam
 from spark_jax.model import Model
 from spark_jax.models import nllb
@@ -121,11 +121,11 @@ def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
             )
         assert solo[1 + row] == nf.strip_hf_output(ref[row].tolist()), name
     # Changing the adapter mix changes no shape: nothing recompiles.
-    # (The engine runs decode steps inside its device loop, engine._decode_chunk.)
-    before = (nllb.prefill._cache_size(), engine._decode_chunk._cache_size())
+    # (The engine runs decode steps inside its device loop, step.run_chunk.)
+    before = (nllb.prefill._cache_size(), step.run_chunk._cache_size())
     for names in (MIXED[::-1], [None] * 5 + ["self_r8_rslora"]):
         sj.generate_batch(model, sources, [_greedy_params(n) for n in names])
-    assert (nllb.prefill._cache_size(), engine._decode_chunk._cache_size()) == before
+    assert (nllb.prefill._cache_size(), step.run_chunk._cache_size()) == before
 
 
 def _beam(source, name, **knobs) -> BeamRequest:
@@ -237,7 +237,7 @@ def test_engine_translations_and_beams_with_mixed_adapters_equal_their_solo_resu
     ids += [batcher.add_beam_request(b) for b in beams]
     results = {o.request_id: o.result for o in batcher.run() if o.finished}
     solo = [
-        engine.generate(model, s, p).output_tokens for s, p in zip(sources, greedy, strict=True)
+        sj.generate(model, s, p).output_tokens for s, p in zip(sources, greedy, strict=True)
     ]
     assert [results[i].output_tokens for i in ids[:6]] == solo
     alone = [generate_beam(model, [b])[0].sequences for b in beams]

@@ -15,18 +15,17 @@ from conftest import HF_BUILDERS, TINY, model_from_hf, random_prompt
 from scipy import stats
 
 import spark_jax as sj
+from spark_jax.generation import step
 from spark_jax.generation.speculative import (
     Draft,
     DraftModelDrafter,
     LayerSkipDrafter,
     PromptLookupDrafter,
     generate_speculative,
-    judge,
     rejection_sample,
     skip_layers,
     target_logits,
 )
-from spark_jax.models import decoder
 from spark_jax.ops.sampling import SamplerBatch, sample
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -158,12 +157,14 @@ def test_penalties_stops_and_logprobs_match_generate(model):
 
 
 def test_one_verify_compile_per_num_drafts(model, references):
-    decoder.verify.clear_cache()
-    judge.clear_cache()
+    step.pick.clear_cache()
+    step.run_chunk.clear_cache()
     for prompt, reference in zip(PROMPTS, references, strict=True):
         generate_speculative(model, prompt, GREEDY, 4, OracleDrafter(reference, corrupt_at=2))
-    assert decoder.verify._cache_size() == 1  # every step pads to K + 1 = 5 positions
-    assert judge._cache_size() == 2  # T = 1 (after prefill) and T = K + 1
+    assert step.pick._cache_size() == 1  # the first token, after the prefill
+    # The verify step (every step pads to K = 4 drafts), and the decode step taken where no
+    # draft fits before max_tokens.
+    assert step.run_chunk._cache_size() == 2
 
 
 def test_a_batch_is_refused_and_slots_are_given_back(model):
@@ -194,27 +195,33 @@ def test_layer_skip_model_is_the_target_without_those_layers(model):
 
 
 class RecordingRunner:
-    """The target's runner, recording the start position, tokens and logits of every step."""
+    """The target's runner, recording the start position, tokens and logits of every step
+    (its verify and decode steps run inside the generation core's jitted chunk, so the
+    record is taken on the device, by a callback)."""
 
     def __init__(self, runner):
         self.runner = runner
         self.steps: list[tuple[int, np.ndarray, int, np.ndarray]] = []
+        self.verify_fn = self._recorded(runner.verify_fn, verify=True)
+        self.decode_fn = self._recorded(runner.decode_fn, verify=False)
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def verify(self, state, tokens, lengths):
-        start = int(state.lengths[0])
-        logits, state = self.runner.verify(state, tokens, lengths)
-        real = int(lengths[0])
-        self.steps.append((start, np.asarray(tokens[0]), real, np.asarray(logits[0])))
-        return logits, state
+    def _recorded(self, fn, verify: bool):
+        def step(params, tokens, lengths_or_active, state, lora):
+            start = state.lengths[0]
+            logits, state = fn(params, tokens, lengths_or_active, state, lora)
+            real = lengths_or_active[0] if verify else jnp.int32(1)
+            jax.debug.callback(self._append, start, tokens, real, logits, verify)
+            return logits, state
 
-    def decode(self, state, tokens, active):
-        start = int(state.lengths[0])
-        logits, state = self.runner.decode(state, tokens, active)
-        self.steps.append((start, np.asarray(tokens), 1, np.asarray(logits)))
-        return logits, state
+        return step
+
+    def _append(self, start, tokens, real, logits, verify) -> None:
+        if verify:
+            tokens, logits = tokens[0], logits[0]
+        self.steps.append((int(start), np.asarray(tokens), int(real), np.asarray(logits)))
 
 
 def test_after_rejections_every_step_sees_a_fresh_prefill_of_the_accepted_sequence(

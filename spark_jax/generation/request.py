@@ -8,8 +8,8 @@ once, each beside its other form:
   ``device_done`` on the device (stop ids and max_tokens; stop strings need text). The
   device's stops are a subset of the host's, so a device loop may retire rows early without
   changing any output;
-- the prompt check (``check_prompt``), the logprob record of one position
-  (``token_logprobs``) and the adapter lookup (``adapter_slot``).
+- the prompt check (``check_prompt``, with the adapter lookup ``ops.lora.adapter_slot``) and
+  the logprob record of one position (``token_logprobs``).
 """
 
 from __future__ import annotations
@@ -83,15 +83,6 @@ def check_prompt(
             "positions available; shorten it or lower max_tokens."
         )
     return ids
-
-
-def adapter_slot(lora_pool: Any, name: str | None) -> int:
-    """The LoRA pool slot of an adapter name (-1: the base model); unknown names are refused."""
-    if name is None:
-        return -1
-    if lora_pool is None:
-        raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
-    return lora_pool.index(name)
 
 
 def params_list(

@@ -29,20 +29,15 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.generation.generate import (
-    GenerationResult,
-    TokenLogprobs,
-    _check_prompts,
-    _Request,
-    cache_len,
-)
+from spark_jax.generation.generate import cache_len, check_prompts
+from spark_jax.generation.request import GenerationResult, RequestState, token_logprobs
+from spark_jax.generation.step import Carry, decode_forward, pick, run_chunk
 from spark_jax.model import Model
 from spark_jax.ops.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
 
@@ -118,15 +113,58 @@ class PromptLookupDrafter:
         pass
 
 
-@partial(jax.jit, static_argnames=("sampled",))
-def _draft_pick(logits: jax.Array, temperature: jax.Array, key: jax.Array, sampled: bool):
-    """The draft token [1] from logits [1, V] and the distribution q [V] it was drawn from."""
-    logits = logits[0].astype(jnp.float32)
-    if not sampled:
-        return jnp.argmax(logits)[None].astype(jnp.int32), jnp.zeros_like(logits)
-    scaled = logits / temperature
-    token = jax.random.categorical(key, scaled)
-    return token[None].astype(jnp.int32), jax.nn.softmax(scaled)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _DraftRows:
+    temperature: jax.Array  # f32[]: the request's temperature (1 when greedy)
+    key: jax.Array  # the drafter's key stream for this request
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _Drafts:
+    tokens: jax.Array  # int32[1, k]
+    probs: jax.Array  # f32[1, k, V]: q of each draft (zeros when greedy)
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """The draft model's rule (``step.Rule``): each step's token from the draft's logits [1, V],
+    greedy or drawn at the request's temperature; the picker state counts the draws."""
+
+    sampled: bool
+
+    def forward(self, fn: Any, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
+        return decode_forward(fn, params, carry, lora)
+
+    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> _Drafts:
+        vocab = 1 if not self.sampled else carry.picker.shape[-1]
+        return _Drafts(
+            jnp.zeros((1, num_steps), jnp.int32), jnp.zeros((1, num_steps, vocab), jnp.float32)
+        )
+
+    def advance(
+        self, logits: jax.Array, carry: Carry, rows: _DraftRows, record: _Drafts, i: Any
+    ) -> tuple[Carry, _Drafts]:
+        logits = logits[0].astype(jnp.float32)
+        if self.sampled:
+            scaled = logits / rows.temperature
+            key = jax.random.fold_in(rows.key, carry.num_generated[0])
+            token = jax.random.categorical(key, scaled).astype(jnp.int32)
+            record = _Drafts(
+                record.tokens.at[0, i].set(token),
+                record.probs.at[0, i].set(jax.nn.softmax(scaled)),
+            )
+        else:
+            token = jnp.argmax(logits).astype(jnp.int32)
+            record = dataclasses.replace(record, tokens=record.tokens.at[0, i].set(token))
+        carry = dataclasses.replace(
+            carry, tokens=token[None], num_generated=carry.num_generated + 1
+        )
+        return carry, record
+
+    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
+        return jnp.bool_(True)
 
 
 class DraftModelDrafter:
@@ -145,37 +183,49 @@ class DraftModelDrafter:
         self._state: Any = None
         self._cached: list[int] = []  # the tokens whose keys the draft cache holds, in order
         self._active = jnp.ones((1,), bool)
-        self._temperature = jnp.float32(1.0)
-        self._sampled = False
-        self._key: jax.Array = jax.random.PRNGKey(0)
+        self._rule = Drafting(sampled=False)
+        self._rows = _DraftRows(jnp.float32(1.0), jax.random.PRNGKey(0))
         self._draws = 0
 
     def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
         del prompt
         self._state = self._runner.init_state(1, cache_len(max_context + 1))
         self._cached = []
-        self._sampled = not params.greedy
-        self._temperature = jnp.float32(params.temperature if self._sampled else 1.0)
+        self._rule = Drafting(sampled=not params.greedy)
+        temperature = jnp.float32(params.temperature if self._rule.sampled else 1.0)
         seed = secrets.randbits(32) if params.seed is None else params.seed & 0xFFFFFFFF
-        self._key = jax.random.fold_in(jax.random.PRNGKey(seed), _DRAFT_STREAM)
+        self._rows = _DraftRows(
+            temperature, jax.random.fold_in(jax.random.PRNGKey(seed), _DRAFT_STREAM)
+        )
         self._draws = 0
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k < 1:
             return Draft([])
         logits = self._catch_up(context)
-        tokens, probs = [], []
-        for i in range(k):
-            key = jax.random.fold_in(self._key, self._draws)
-            self._draws += 1
-            token, q = _draft_pick(logits, self._temperature, key, self._sampled)
-            tokens.append(token)
-            probs.append(q)
-            if i < k - 1:  # the last draft is never fed: the target scores it
-                logits, self._state = self._runner.decode(self._state, token, self._active)
-        drafted = np.asarray(jnp.concatenate(tokens)).tolist()
+        vocab = logits.shape[-1] if self._rule.sampled else 1
+        carry = Carry(
+            self._state,
+            jnp.zeros((1,), jnp.int32),
+            jnp.ones((1,), bool),  # its own array: the carry is donated
+            jnp.asarray([self._draws], jnp.int32),
+            jnp.zeros((vocab,), jnp.float32),  # the picker state only carries q's width
+        )
+        carry, first = pick(self._rule, logits, carry, self._rows)
+        records = [first]
+        if k > 1:  # the last draft is never fed: the target scores it
+            carry, rest = run_chunk(
+                self._runner.decode_fn, self._rule, self._runner.params, None, carry,
+                self._rows, num_steps=k - 1, exit_early=False,
+            )  # fmt: skip
+            records.append(rest)
+        self._state, self._draws = carry.state, self._draws + k
+        tokens = jnp.concatenate([r.tokens for r in records], axis=1)[0]
+        drafted = np.asarray(tokens).tolist()
         self._cached = list(context) + drafted[:-1]
-        return Draft(drafted, jnp.stack(probs) if self._sampled else None)
+        if not self._rule.sampled:
+            return Draft(drafted)
+        return Draft(drafted, jnp.concatenate([r.probs for r in records], axis=1)[0])
 
     def _catch_up(self, context: Sequence[int]) -> jax.Array:
         """Rolls the draft cache back to what it shares with ``context``, feeds the rest."""
@@ -315,7 +365,6 @@ class Verdict(NamedTuple):
     cache_lengths: jax.Array  # i32[1]: the cache length with the rejected drafts rolled back
 
 
-@partial(jax.jit, static_argnames=("with_top",), donate_argnames=("token_counts",))
 def judge(
     logits: jax.Array,
     step_tokens: jax.Array,
@@ -381,6 +430,83 @@ def judge(
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class VerifyRows:
+    """One verify step's inputs beside the carry: the request's sampler and the drafts."""
+
+    sampler: SamplerBatch  # the request's one row
+    prompt_mask: jax.Array  # bool[V]
+    drafts: jax.Array  # int32[K]: the first ``num_drafts`` real
+    draft_probs: jax.Array  # f32[K, V]: q of each draft
+    num_drafts: jax.Array  # int32[]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Speculative verification (``step.Rule``) of one sequence: the target scores its last
+    token and ``num_drafts`` drafts (``fn``: the runner's verify step; with ``num_drafts`` 0,
+    its decode step), ``judge`` accepts a prefix, and the cache rolls back the rest.
+
+    The carry's picker state is the output token counts i32[V]; its tokens[1] the last token.
+    """
+
+    num_drafts: int
+    with_top: bool = False
+
+    def forward(self, fn: Any, params: Any, carry: Carry, rows: VerifyRows, lora: Any) -> Any:
+        if self.num_drafts == 0:
+            return decode_forward(fn, params, carry, lora)
+        tokens = jnp.concatenate([carry.tokens, rows.drafts])[None, :]
+        return fn(params, tokens, (rows.num_drafts + 1)[None], carry.state, lora)
+
+    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> Verdict:
+        """A zero verdict (the loop's record has the shapes ``advance`` returns)."""
+        del rows
+        if num_steps != 1:
+            raise ValueError("a verification chunk is one step: drafts come from the host.")
+        t = self.num_drafts + 1
+        return Verdict(
+            jnp.int32(0),
+            jnp.zeros((t,), jnp.int32),
+            jnp.zeros((t,), jnp.float32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros_like(carry.picker),
+            jnp.zeros_like(carry.state.lengths),
+        )
+
+    def advance(
+        self, logits: jax.Array, carry: Carry, rows: VerifyRows, record: Any, i: Any
+    ) -> tuple[Carry, Verdict]:
+        del record, i
+        step_tokens = jnp.concatenate([carry.tokens, rows.drafts])[None, :]
+        verdict = judge(
+            logits,
+            step_tokens[:, : self.num_drafts + 1],
+            rows.draft_probs[: self.num_drafts],
+            rows.num_drafts,
+            rows.sampler,
+            carry.picker,
+            rows.prompt_mask,
+            carry.num_generated[0],
+            carry.state.lengths,
+            with_top=self.with_top,
+        )
+        n = verdict.num_accepted
+        carry = Carry(
+            carry.state.with_lengths(verdict.cache_lengths),
+            verdict.tokens[n][None],
+            carry.active,
+            carry.num_generated + n + 1,
+            verdict.token_counts,
+        )
+        return carry, verdict
+
+    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
+        return jnp.bool_(True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop.
 
@@ -424,8 +550,7 @@ def generate_speculative(
     params = SamplingParams(temperature=0.0) if params is None else params
     if params.adapter is not None:
         raise ValueError("speculative decoding does not apply LoRA adapters; use generate.")
-    prompt = [int(t) for t in prompt_ids]
-    _check_prompts(model, [prompt], [params])
+    (prompt,) = check_prompts(model, [prompt_ids], [params])
     drafter = PromptLookupDrafter() if drafter is None else drafter
     slots = model.slot_pool.acquire(1)
     try:
@@ -437,32 +562,44 @@ def generate_speculative(
 
 
 class _Speculation:
-    """One request in flight: the target's cache, the sampler's state, the statistics."""
+    """One request in flight: its state, the target's carry, the statistics."""
 
     def __init__(self, model: Model, prompt: list[int], params: SamplingParams, k: int):
         self.model = model
+        self.runner = model.runner
         self.prompt = prompt
         self.params = params
         self.num_drafts = k
-        self.request = _Request(0, prompt, params, model)
+        self.request = RequestState(0, prompt, params, model.eos_token_ids, model.tokenizer)
         self.stats = dict.fromkeys(("drafted", "accepted", "verify_steps", "decode_steps"), 0)
-        self.state = model.runner.init_state(1, cache_len(len(prompt) + params.max_tokens + k + 1))
+        self.with_top = params.logprobs is not None
 
     def prefill(self) -> None:
         """Runs the prompt and picks the first token (no drafts yet)."""
-        logits, self.state = self.model.runner.prefill(
-            self.state, [0], [self.prompt], [self.params]
-        )
+        max_len = cache_len(len(self.prompt) + self.params.max_tokens + self.num_drafts + 1)
+        state = self.runner.init_state(1, max_len)
+        logits, state = self.runner.prefill(state, [0], [self.prompt], [self.params])
         vocab = self.vocab = logits.shape[-1]
-        self.batch = SamplerBatch.from_params([self.params], vocab, self.model.eos_token_ids)
-        self.counts = jnp.zeros((vocab,), jnp.int32)
         prompt_mask = np.zeros((vocab,), bool)
         prompt_mask[self.prompt] = True
-        self.prompt_mask = jnp.asarray(prompt_mask)
-        self.no_draft_probs = jnp.zeros((0, vocab), jnp.float32)
-        self.unused_probs = jnp.zeros((self.num_drafts, vocab), jnp.float32)  # greedy: no q
-        self.active = jnp.ones((1,), bool)
-        self._judge_and_emit(logits, np.zeros((1, 1), np.int32), self.no_draft_probs, 0)
+        sampler = SamplerBatch.from_params([self.params], vocab, self.model.eos_token_ids)
+        self.rows = VerifyRows(
+            sampler,
+            jnp.asarray(prompt_mask),
+            jnp.zeros((self.num_drafts,), jnp.int32),
+            jnp.zeros((self.num_drafts, vocab), jnp.float32),  # greedy: no q is read
+            jnp.int32(0),
+        )
+        self.carry = Carry(
+            state,
+            jnp.asarray([self.prompt[-1]], jnp.int32),
+            jnp.ones((1,), bool),
+            jnp.zeros((1,), jnp.int32),
+            jnp.zeros((vocab,), jnp.int32),
+        )
+        rule = Verification(0, self.with_top)
+        self.carry, verdict = pick(rule, logits, self.carry, self.rows)
+        self._emit(verdict)
 
     def step(self, draft: Draft) -> None:
         """Verifies one draft (a plain decode step when it is empty) and emits the tokens."""
@@ -472,60 +609,45 @@ class _Speculation:
                 f"the drafter proposed {draft.tokens}: more than {k} tokens or ids outside "
                 f"[0, {vocab})."
             )
-        last = self.prompt[-1] if not self.request.tokens else self.request.tokens[-1]
         if m == 0:  # no guess: a decode step is cheaper than verifying padding
-            tokens = np.asarray([[last]], np.int32)
-            logits, self.state = self.model.runner.decode(self.state, tokens[0], self.active)
+            rule, fn = Verification(0, self.with_top), self.runner.decode_fn
+            self.rows = dataclasses.replace(self.rows, num_drafts=jnp.int32(0))
             self.stats["decode_steps"] += 1
-            self._judge_and_emit(logits, tokens, self.no_draft_probs, 0)
-            return
-        tokens = np.zeros((1, k + 1), np.int32)  # padded to K + 1: one verify compile per K
-        tokens[0, : m + 1] = [last, *draft.tokens]
-        logits, self.state = self.model.runner.verify(
-            self.state, tokens, np.asarray([m + 1], np.int32)
+        else:  # padded to K drafts: one verify compile per K
+            rule, fn = Verification(k, self.with_top), self.runner.verify_fn
+            drafts = np.zeros((k,), np.int32)
+            drafts[:m] = draft.tokens
+            probs = self.rows.draft_probs
+            if not self.params.greedy:
+                probs = _pad_draft_probs(draft, drafts, vocab)
+            self.rows = dataclasses.replace(
+                self.rows, drafts=jnp.asarray(drafts), draft_probs=probs, num_drafts=jnp.int32(m)
+            )
+        self.carry, verdict = run_chunk(
+            fn, rule, self.runner.params, None, self.carry, self.rows, num_steps=1
         )
-        if self.params.greedy:
-            probs = self.unused_probs
-        else:
-            probs = _pad_draft_probs(draft, tokens[0, 1:], vocab)
-        n = self._judge_and_emit(logits, tokens, probs, m)
-        self.stats["drafted"] += m
-        self.stats["accepted"] += n
-        self.stats["verify_steps"] += 1
+        n = self._emit(verdict)
+        if m:
+            self.stats["drafted"] += m
+            self.stats["accepted"] += n
+            self.stats["verify_steps"] += 1
 
-    def _judge_and_emit(self, logits: jax.Array, tokens: np.ndarray, probs: Any, m: int) -> int:
-        verdict = judge(
-            logits,
-            tokens,
-            probs,
-            np.int32(m),
-            self.batch,
-            self.counts,
-            self.prompt_mask,
-            np.int32(len(self.request.tokens)),
-            self.state.lengths,
-            with_top=self.params.logprobs is not None,
-        )
-        self.counts = verdict.token_counts
-        self.state = self.state.with_lengths(verdict.cache_lengths)
+    def _emit(self, verdict: Verdict) -> int:
+        """Feeds the accepted tokens to the request; returns how many drafts were accepted."""
         want = ["num_accepted", "tokens"]
-        if self.params.logprobs is not None:
+        if self.with_top:
             want += ["logprobs", "top_logprobs", "top_ids"]
         host = jax.device_get({name: getattr(verdict, name) for name in want})
         n = int(host["num_accepted"])
+        rows = _VerdictRows(
+            **{k: host.get(k) for k in ("tokens", "logprobs", "top_logprobs", "top_ids")}
+        )
         for i in range(n + 1):
-            self.request.add(int(host["tokens"][i]), self._logprobs(host, i))
-            if self.request.finish_reason is not None:
+            lp = None if not self.with_top else token_logprobs(rows, i, None, self.params.logprobs)
+            self.request.add(int(host["tokens"][i]), lp)
+            if self.request.finished:
                 break
         return n
-
-    def _logprobs(self, host: dict[str, np.ndarray], i: int) -> TokenLogprobs | None:
-        width = self.params.logprobs
-        if width is None:
-            return None
-        ids, values = host["top_ids"][i, :width], host["top_logprobs"][i, :width]
-        top = {int(t): float(v) for t, v in zip(ids, values, strict=True)}
-        return TokenLogprobs(int(host["tokens"][i]), float(host["logprobs"][i]), top)
 
     def result(self, timings: dict[str, float]) -> SpeculativeResult:
         result = self.request.result(timings)
@@ -541,6 +663,15 @@ class _Speculation:
         }
         fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         return SpeculativeResult(**fields, spec_stats=spec_stats)
+
+
+class _VerdictRows(NamedTuple):
+    """A verdict's host arrays under the field names ``token_logprobs`` reads."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray | None
+    top_logprobs: np.ndarray | None
+    top_ids: np.ndarray | None
 
 
 def _speculate(

@@ -315,6 +315,11 @@ def verify(
     return logits, kv
 
 
+def _verify_rows(params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig):
+    """``verify`` with the config bound, in the argument order of ``Runner.verify_fn``."""
+    return verify(params, config, tokens, lengths, kv, lora)
+
+
 def init_params(
     config: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
 ) -> dict[str, Any]:
@@ -356,6 +361,7 @@ class Runner:
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config)
+        self.verify_fn = partial(_verify_rows, config=config)
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt

@@ -414,3 +414,12 @@ class LoraBatch:
 def scope(lora: LoraBatch | None, *keys: str) -> LoraBatch | None:
     """``lora.scope(*keys)``, passing None through (no adapters in this step)."""
     return None if lora is None else lora.scope(*keys)
+
+
+def adapter_slot(lora_pool: LoraPool | None, name: str | None) -> int:
+    """The pool slot of an adapter name (-1: the base model); unknown names are refused."""
+    if name is None:
+        return -1
+    if lora_pool is None:
+        raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
+    return lora_pool.index(name)

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from spark_jax.generation.beam import BeamResult
-from spark_jax.generation.generate import GenerationResult, TokenLogprobs, _Request
+from spark_jax.generation.request import GenerationResult, RequestState, TokenLogprobs
 from spark_jax.ops.attention import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplingParams, count_tokens, sample
@@ -160,7 +160,7 @@ class _Sequence:
         self.prompt = prompt
         self.params = params
         self.adapter = model.adapter_slot(params.adapter)  # unknown names fail here
-        self.out = _Request(request_id, prompt, params, model)
+        self.out = RequestState(request_id, prompt, params, model.eos_token_ids, model.tokenizer)
         self.slot: int | None = None
         self.pages: list[int] = []
         self.num_computed = 0  # tokens whose keys are in the cache

@@ -1,0 +1,234 @@
+"""The one decode step and the chunk of steps every driver runs on the device.
+
+A step is ``forward`` (the model: a decode step over every cache row, or a verify step over
+drafts) followed by a picking ``Rule`` (sampling, beam search, draft acceptance) that turns
+the logits into the next tokens, applies the device form of the stop rule and writes what
+the host will read into a ``record``. Every driver carries the same pytree, ``Carry``, from
+step to step:
+
+    generate / stream / generate_batch   Sampling        (forward = decode)
+    the serving engine's decode          Sampling        (one step per scheduling round)
+    the beam lane                        BeamSearch      (spark_jax.generation.beam)
+    speculative verification             Verification    (forward = verify; speculative.py)
+    the draft model's proposals          Drafting        (speculative.py)
+
+``run_chunk`` runs up to ``num_steps`` steps in one jitted ``lax.while_loop``; ``pick`` runs
+a rule alone on logits the caller already has (a prefill's). Rules are frozen dataclasses:
+static jit arguments, so a rule's settings shape its program and equal rules share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
+from spark_jax.generation.request import device_done
+from spark_jax.ops.sampling import MAX_LOGPROBS, SampleOutput, SamplerBatch, count_tokens, sample
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How a driver runs its device loop; outputs never depend on these.
+
+    steps_per_sync: steps per device call when nobody streams token by token.
+    exit_early: a chunk ends as soon as every row is done (True) or always runs its steps
+        (False). Ending early makes the loop's exit data-dependent, so on the GPU the host
+        reads the loop predicate after every step; a fixed count wastes at most
+        ``steps_per_sync - 1`` steps after the last row ends. Which is faster end to end
+        depends on the model's step time (``python -m benchmarks nllb`` compares them).
+    """
+
+    steps_per_sync: int = 8
+    exit_early: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync must be >= 1, got {self.steps_per_sync}.")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """What one step hands the next, on the device."""
+
+    state: Any  # the runner's cache
+    tokens: jax.Array  # int32[B]: each row's last token (the next decode input)
+    active: jax.Array  # bool[B]: rows still generating
+    num_generated: jax.Array  # int32[B]: tokens generated so far (the sampler's step index)
+    picker: Any  # the rule's own state: token counts (sampling), the beam search tensors, ...
+
+
+class Rule(Protocol):
+    """A picking rule: frozen and hashable (a static jit argument)."""
+
+    def forward(self, fn: Callable, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
+        """Runs the model step ``fn``; returns (logits, new cache)."""
+
+    def advance(
+        self, logits: jax.Array, carry: Carry, rows: Any, record: Any, i: jax.Array
+    ) -> tuple[Carry, Any]:
+        """Picks from ``logits``, applies the stop rule, writes step ``i`` of ``record``."""
+
+    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> Any:
+        """The record a chunk of ``num_steps`` steps fills."""
+
+    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
+        """Whether an early-exiting chunk runs another step (``entry``: the chunk's input)."""
+
+
+def decode_forward(fn: Callable, params: Any, carry: Carry, lora: Any) -> Any:
+    """A decode step over every cache row: ``fn(params, tokens[B], active[B], cache, lora)``."""
+    return fn(params, carry.tokens, carry.active, carry.state, lora)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: generate, stream, generate_batch and the serving engine.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleRows:
+    """Each row's fixed sampling inputs for a run of steps."""
+
+    sampler: SamplerBatch
+    prompt_mask: jax.Array  # bool[B, V] (or [B, 1] when every row is plain greedy)
+    max_tokens: jax.Array  # int32[B]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The tokens of a chunk of steps, for the host: [B, steps] (top-n: [B, steps, 20])."""
+
+    tokens: jax.Array
+    logprobs: jax.Array | None
+    top_logprobs: jax.Array | None
+    top_ids: jax.Array | None
+    valid: jax.Array  # bool: the row was generating at that step
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling (``ops.sampling.sample``) of the next token of every active row.
+
+    greedy: every row is plain argmax: the sampler is skipped and no token counts are kept.
+    want_logprobs: fill the record's logprob fields (each is a kernel more per step, and a
+        small model's step is a few hundred kernels at launch latency).
+    The picker state is the output token counts int32[B, V] (penalties).
+    """
+
+    greedy: bool = False
+    want_logprobs: bool = False
+
+    def forward(self, fn: Callable, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
+        return decode_forward(fn, params, carry, lora)
+
+    def empty_record(self, carry: Carry, rows: SampleRows, num_steps: int) -> Chunk:
+        b = carry.tokens.shape[0]
+        steps = lambda *shape, dtype: jnp.zeros((b, num_steps, *shape), dtype)
+        logprob_fields = (None, None, None)
+        if self.want_logprobs:
+            logprob_fields = (
+                steps(dtype=jnp.float32),
+                steps(MAX_LOGPROBS, dtype=jnp.float32),
+                steps(MAX_LOGPROBS, dtype=jnp.int32),
+            )
+        return Chunk(steps(dtype=jnp.int32), *logprob_fields, steps(dtype=bool))
+
+    def advance(
+        self, logits: jax.Array, carry: Carry, rows: SampleRows, record: Chunk, i: jax.Array
+    ) -> tuple[Carry, Chunk]:
+        if self.greedy:
+            picked = _argmax_output(logits)
+            counts = carry.picker
+        else:
+            picked = sample(
+                logits, rows.sampler, carry.picker, rows.prompt_mask, carry.num_generated
+            )
+            counts = count_tokens(carry.picker, picked.tokens, carry.active)
+        tokens = jnp.where(carry.active, picked.tokens, carry.tokens)
+        num_generated = carry.num_generated + carry.active.astype(jnp.int32)
+        done = device_done(tokens, num_generated, rows.sampler, rows.max_tokens)
+        fields = (record.logprobs, record.top_logprobs, record.top_ids)
+        if self.want_logprobs:
+            fields = (
+                record.logprobs.at[:, i].set(picked.logprobs),
+                record.top_logprobs.at[:, i].set(picked.top_logprobs),
+                record.top_ids.at[:, i].set(picked.top_ids),
+            )
+        record = Chunk(
+            record.tokens.at[:, i].set(tokens), *fields, record.valid.at[:, i].set(carry.active)
+        )
+        carry = Carry(carry.state, tokens, carry.active & ~done, num_generated, counts)
+        return carry, record
+
+    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
+        return jnp.any(carry.active)
+
+
+def _argmax_output(logits: jax.Array) -> SampleOutput:
+    """Plain greedy picks; the logprob fields are zeros (no plain-greedy row reads them)."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    zeros = jnp.zeros(tokens.shape + (1,), jnp.float32)
+    return SampleOutput(tokens, zeros[:, 0], zeros, zeros.astype(jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The step and the chunk.
+
+
+def step(
+    fn: Callable, rule: Rule, params: Any, lora: Any, carry: Carry, rows: Any, record: Any, i: Any
+) -> tuple[Carry, Any]:
+    """The one step: the model's forward, then the rule's pick, stop rule and record."""
+    logits, state = rule.forward(fn, params, carry, rows, lora)
+    return rule.advance(logits, dataclasses.replace(carry, state=state), rows, record, i)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("fn", "rule", "num_steps", "exit_early"),
+    donate_argnames=("carry",),
+    compiler_options=DEVICE_LOOP_OPTIONS,
+)
+def run_chunk(
+    fn: Callable,
+    rule: Rule,
+    params: Any,
+    lora: Any,
+    carry: Carry,
+    rows: Any,
+    num_steps: int,
+    exit_early: bool = True,
+) -> tuple[Carry, Any]:
+    """Up to ``num_steps`` steps in one device call (fewer when ``exit_early`` and the rule
+    says to stop: every row done). Returns the carry and the chunk's record."""
+    entry = carry
+
+    def cond(loop: tuple[Any, Carry, Any]) -> jax.Array:
+        i, c, _ = loop
+        if not exit_early:  # a trip count XLA can see: no predicate read back per step
+            return i < num_steps
+        return (i < num_steps) & rule.go_on(c, entry, rows)
+
+    def body(loop: tuple[Any, Carry, Any]) -> tuple[Any, Carry, Any]:
+        i, c, record = loop
+        c, record = step(fn, rule, params, lora, c, rows, record, i)
+        return i + 1, c, record
+
+    record = rule.empty_record(carry, rows, num_steps)
+    _, carry, record = jax.lax.while_loop(cond, body, (0, carry, record))
+    return carry, record
+
+
+@partial(jax.jit, static_argnames=("rule",), donate_argnames=("carry",))
+def pick(rule: Rule, logits: jax.Array, carry: Carry, rows: Any) -> tuple[Carry, Any]:
+    """The rule alone on logits already computed (a prefill's): a one-step record."""
+    return rule.advance(logits, carry, rows, rule.empty_record(carry, rows, 1), 0)
