@@ -236,9 +236,7 @@ def test_engine_translations_and_beams_with_mixed_adapters_equal_their_solo_resu
     ids = [batcher.add_request(s, p) for s, p in zip(sources, greedy, strict=True)]
     ids += [batcher.add_beam_request(b) for b in beams]
     results = {o.request_id: o.result for o in batcher.run() if o.finished}
-    solo = [
-        sj.generate(model, s, p).output_tokens for s, p in zip(sources, greedy, strict=True)
-    ]
+    solo = [sj.generate(model, s, p).output_tokens for s, p in zip(sources, greedy, strict=True)]
     assert [results[i].output_tokens for i in ids[:6]] == solo
     alone = [generate_beam(model, [b])[0].sequences for b in beams]
     assert [results[i].sequences for i in ids[6:]] == alone

@@ -47,12 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
+from spark_jax.generation.step import Carry, LoopOptions, decode_forward, run_chunk
+from spark_jax.model import Model
 from spark_jax.models.common import bucket
+from spark_jax.ops.lora import adapter_slot
 
 _PENALTY = np.float32(-1.0e9)  # HF's "never pick this" offset, in the same float32 arithmetic
 _DEFAULT_MAX_ROWS = 256
-_STEPS_PER_SYNC = 8  # search steps per device call; a finished request ends a call early
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,9 @@ class _Search:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Carry:
-    """What one search step hands the next: the cache, the rows' next inputs, the search."""
+class _Beams:
+    """The picker state of the generation core's ``Carry`` in beam search."""
 
-    cache: Any  # the runner's state (rows of an EncoderDecoderCache)
-    tokens: jax.Array  # int32[rows]: each row's next decoder input
-    active: jax.Array  # bool[rows]: rows whose beam is still running
     sequences: jax.Array  # int32[rows, L]: each row's running beam, generated tokens
     search: _Search
 
@@ -329,15 +327,15 @@ def _advance(
 
 
 def _step(
-    c: _Carry, values: jax.Array, ids: jax.Array, eos: jax.Array, mask: jax.Array, cross: bool
-) -> _Carry:
+    c: Carry, values: jax.Array, ids: jax.Array, eos: jax.Array, mask: jax.Array, cross: bool
+) -> Carry:
     """Advances the slots of ``mask`` from their rows' top log-probs and reorders their rows.
 
     Row ``rows[r, b]`` becomes a copy of its new parent's row (``cross``: cross K/V too, for
     a request's first step, which fans its one prefilled row out to all its beams).
     """
-    s = c.search
-    search, parents, tokens = _advance(s, c.sequences, values, ids, eos)
+    s, sequences = c.picker.search, c.picker.sequences
+    search, parents, tokens = _advance(s, sequences, values, ids, eos)
     search = _select(mask, search, s)
     # Per cache row, gathers from its (slot, beam) rather than scatters from the slots: the
     # row updates then fuse with each other (a scatter is a kernel of its own on the GPU).
@@ -347,14 +345,51 @@ def _step(
     moving = mask[slot] & owned  # rows a freed slot left behind are not its rows any more
     source = jnp.where(moving, s.slots.rows[slot, parents[slot, beam]], row)
     token = tokens[slot, beam]
-    position = jnp.arange(c.sequences.shape[1]) == (s.cur_len[slot] - 2)[:, None]
-    return _Carry(
-        cache=c.cache.gather_rows(source, cross),
+    position = jnp.arange(sequences.shape[1]) == (s.cur_len[slot] - 2)[:, None]
+    sequences = jnp.where(moving[:, None] & position, token[:, None], sequences[source])
+    return Carry(
+        state=c.state.gather_rows(source, cross),
         tokens=jnp.where(moving, token, c.tokens),
         active=jnp.where(moving, search.live[slot], c.active),
-        sequences=jnp.where(moving[:, None] & position, token[:, None], c.sequences[source]),
-        search=search,
+        num_generated=jnp.where(moving, search.cur_len[slot] - 1, c.num_generated),
+        picker=_Beams(sequences, search),
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _BeamRows:
+    """A search chunk's inputs beside the carry."""
+
+    eos: jax.Array  # int32[E]: the end-of-sequence ids
+    stop_on_finish: jax.Array  # bool[]: end the chunk once a request finishes (others wait)
+
+
+@dataclass(frozen=True)
+class BeamSearch:
+    """HF's beam search (``step.Rule``) of every live request slot: decode, the rows' top
+    ``width`` log-probs, the bookkeeping, the reorder. The record is the slots' live flags."""
+
+    width: int  # candidates per row: max(2, 1 + #eos) * beams
+
+    def forward(self, fn: Any, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
+        return decode_forward(fn, params, carry, lora)
+
+    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> jax.Array:
+        return carry.picker.search.live.astype(jnp.int8)  # its own buffer: carry is donated
+
+    def advance(
+        self, logits: jax.Array, carry: Carry, rows: _BeamRows, record: Any, i: Any
+    ) -> tuple[Carry, jax.Array]:
+        values, ids = _top_log_probs(logits, self.width)
+        live = carry.picker.search.live
+        carry = _step(carry, values, ids, rows.eos, live, cross=False)
+        return carry, carry.picker.search.live.astype(jnp.int8)
+
+    def go_on(self, carry: Carry, entry: Carry, rows: _BeamRows) -> jax.Array:
+        live, was_live = carry.picker.search.live, entry.picker.search.live
+        finished = rows.stop_on_finish & jnp.any(was_live & ~live)
+        return jnp.any(live) & ~finished
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,56 +415,19 @@ def _in_first_rows(
 
 @partial(jax.jit, donate_argnames=("carry",))
 def _start(
-    carry: _Carry,
+    carry: Carry,
     values: jax.Array,
     ids: jax.Array,
     eos: jax.Array,
     slots: _Slots,
     fresh: jax.Array,
-) -> _Carry:
+) -> Carry:
     """The first step of the slots ``fresh`` [R] from their prefill top log-probs [rows, W]."""
-    initial = _initial_search(slots, carry.sequences.shape[1])
-    search = _select(fresh, initial, dataclasses.replace(carry.search, slots=slots))
-    return _step(dataclasses.replace(carry, search=search), values, ids, eos, fresh, cross=True)
-
-
-@partial(
-    jax.jit,
-    static_argnames=("decode_fn", "num_steps"),
-    donate_argnames=("carry",),
-    compiler_options=DEVICE_LOOP_OPTIONS,
-)
-def _search_chunk(
-    decode_fn: Any,
-    params: Any,
-    lora: Any,
-    carry: _Carry,
-    eos: jax.Array,
-    stop_on_finish: jax.Array,
-    num_steps: int,
-) -> tuple[_Carry, jax.Array]:
-    """Up to ``num_steps`` steps of every live request: decode, top-k, bookkeeping, reorder.
-
-    Stops early when no request is live, or (``stop_on_finish``, when requests wait for rows)
-    once one finishes. Returns the carry and a copy of the live flags for the host to read.
-    """
-    width = max(2, 1 + eos.shape[0]) * carry.search.slots.rows.shape[1]
-    entry = carry.search.live
-
-    def cond(loop: tuple[int, _Carry]) -> jax.Array:
-        i, c = loop
-        finished = stop_on_finish & jnp.any(entry & ~c.search.live)
-        return (i < num_steps) & jnp.any(c.search.live) & ~finished
-
-    def body(loop: tuple[int, _Carry]) -> tuple[int, _Carry]:
-        i, c = loop
-        logits, cache = decode_fn(params, c.tokens, c.active, c.cache, lora)
-        values, ids = _top_log_probs(logits, width)
-        c = dataclasses.replace(c, cache=cache)
-        return i + 1, _step(c, values, ids, eos, c.search.live, cross=False)
-
-    _, carry = jax.lax.while_loop(cond, body, (0, carry))
-    return carry, carry.search.live.astype(jnp.int8)  # its own buffer: the carry is donated
+    beams = carry.picker
+    initial = _initial_search(slots, beams.sequences.shape[1])
+    search = _select(fresh, initial, dataclasses.replace(beams.search, slots=slots))
+    carry = dataclasses.replace(carry, picker=_Beams(beams.sequences, search))
+    return _step(carry, values, ids, eos, fresh, cross=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,8 +435,9 @@ def _search_chunk(
 
 
 def _as_runner(model_or_runner: Any) -> Any:
-    runner = getattr(model_or_runner, "runner", model_or_runner)
-    if not hasattr(runner, "reorder_rows"):
+    """The runner of a model (or the runner itself); beam search needs an encoder-decoder."""
+    runner = model_or_runner.runner if isinstance(model_or_runner, Model) else model_or_runner
+    if not runner.is_encoder_decoder:
         raise ValueError(
             "beam search needs an encoder-decoder model (NLLB / M2M100); "
             f"{type(runner).__name__} cannot reorder its cache rows."
@@ -446,24 +445,14 @@ def _as_runner(model_or_runner: Any) -> Any:
     return runner
 
 
-def _adapter_slot(runner: Any, name: str | None) -> int:
-    """The LoRA pool slot of an adapter name (-1 = base); unknown names are refused."""
-    if name is None:
-        return -1
-    pool = getattr(runner, "lora_pool", None)
-    if pool is None:
-        raise ValueError(f"adapter {name!r} is not loaded; add it with Model.add_adapter.")
-    return pool.index(name)
-
-
-def _check(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
-    """Validates every request; returns each one's adapter slot."""
+def check_beam_requests(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
+    """Validates every request before any device work; returns each one's adapter slot."""
     adapters = []
     for i, request in enumerate(requests):
         try:
             if not isinstance(request, BeamRequest):
                 raise ValueError(f"expected a BeamRequest, got {type(request).__name__}")
-            adapters.append(_adapter_slot(runner, request.adapter))
+            adapters.append(adapter_slot(runner.lora_pool, request.adapter))
             runner.check_source(request.prompt_tokens, request)
             runner.target_language_id(request)
         except ValueError as error:
@@ -541,11 +530,19 @@ class BeamLane:
     model keeps one for its beam requests.
     """
 
-    def __init__(self, runner: Any, beams: int, rows: int, length: int, max_source: int):
+    def __init__(
+        self,
+        runner: Any,
+        beams: int,
+        rows: int,
+        length: int,
+        max_source: int,
+        loop: LoopOptions | None = None,
+    ):
         self.runner = runner
         self.requests: list[BeamRequest] = []
         self.adapters: list[int] = []
-        self.use_lora = getattr(runner, "lora_pool", None) is not None
+        self.use_lora = runner.lora_pool is not None
         self.eos = jnp.asarray(sorted(set(runner.eos_token_ids)), jnp.int32)
         beams = bucket(beams, minimum=1)  # padded beams are masked: fewer distinct compiles
         self.max_beams = min(beams, rows)
@@ -556,13 +553,18 @@ class BeamLane:
         state = runner.init_state(rows, length, max_source, row_table=True)
         # Every request holds at least one row, so rows request slots always suffice.
         self.table = _SlotTable(rows, beams, length)
-        self.carry = _Carry(
-            cache=state,
+        self.carry = Carry(
+            state=state,
             tokens=jnp.asarray(np.zeros(rows, np.int32)),
             active=jnp.asarray(np.zeros(rows, bool)),
-            sequences=jnp.asarray(np.zeros((rows, length), np.int32)),
-            search=_idle_search(self.table, length),
+            num_generated=jnp.asarray(np.zeros(rows, np.int32)),
+            picker=_Beams(
+                sequences=jnp.asarray(np.zeros((rows, length), np.int32)),
+                search=_idle_search(self.table, length),
+            ),
         )
+        self.rule = BeamSearch(self.width)
+        self.loop = loop or LoopOptions()
         self.pending: deque[tuple[int, BeamRequest]] = deque()
         self.free_rows = list(range(rows))[::-1]
         self.free_slots = list(range(rows))[::-1]
@@ -574,17 +576,22 @@ class BeamLane:
 
     @classmethod
     def for_requests(
-        cls, runner: Any, requests: list[BeamRequest], max_rows: int | None
+        cls,
+        runner: Any,
+        requests: list[BeamRequest],
+        max_rows: int | None,
+        loop: LoopOptions | None = None,
     ) -> BeamLane:
         """A lane just large enough for ``requests`` (rows capped by ``max_rows``)."""
         widest = max(r.num_beams for r in requests)
         rows = bucket(sum(r.num_beams for r in requests), minimum=8)
         rows = max(min(rows, max_rows or _DEFAULT_MAX_ROWS), widest)
         length = bucket(max(r.max_new for r in requests) + 2)
-        return cls(runner, widest, rows, length, max(len(r.prompt_tokens) for r in requests))
+        source = max(len(r.prompt_tokens) for r in requests)
+        return cls(runner, widest, rows, length, source, loop)
 
     def add(self, request: BeamRequest, adapter: int) -> int:
-        """Queues a validated request (see ``_check``); returns its index in this lane."""
+        """Queues a request checked by ``check_beam_requests``; returns its index here."""
         if request.num_beams > self.max_beams or request.max_new > self.max_new:
             raise ValueError(
                 f"num_beams={request.num_beams} and max_new={request.max_new} must be at most "
@@ -602,14 +609,15 @@ class BeamLane:
 
     def dispatch(self) -> jax.Array:
         """Starts a chunk of search steps; returns its live flags (int8[R]), still on device."""
-        self.carry, live = _search_chunk(
+        rows = _BeamRows(self.eos, np.bool_(bool(self.pending)))
+        self.carry, live = run_chunk(
             self.runner.decode_fn,
+            self.rule,
             self.runner.params,
             self.lora,
             self.carry,
-            self.eos,
-            np.bool_(bool(self.pending)),
-            num_steps=_STEPS_PER_SYNC,
+            rows,
+            num_steps=self.loop.steps_per_sync,
         )
         return live
 
@@ -622,7 +630,7 @@ class BeamLane:
         """Reads the hypotheses of finished slots and frees their rows and slots."""
         if not self.finished:
             return
-        s = self.carry.search
+        s = self.carry.picker.search
         tokens, lengths, scores = jax.device_get(
             (s.finished_tokens, s.finished_lengths, s.finished_scores)
         )
@@ -661,31 +669,35 @@ class BeamLane:
         requests = [self.requests[index] for _, index, _ in admitted]
         lora = {"adapters": [self.adapters[i] for _, i, _ in admitted]} if self.use_lora else {}
         prompts = [r.prompt_tokens for r in requests]
-        logits, state = self.runner.prefill(self.carry.cache, first_rows, prompts, requests, **lora)
+        logits, state = self.runner.prefill(self.carry.state, first_rows, prompts, requests, **lora)
         num_rows = len(self.row_adapters)
         values, ids = _top_log_probs(logits, self.width)
         values, ids = _in_first_rows(values, ids, np.asarray(first_rows, np.int32), num_rows)
         fresh = np.zeros(num_rows, bool)  # one slot per row
         fresh[[slot for slot, _, _ in admitted]] = True
-        carry = dataclasses.replace(self.carry, cache=state)
+        carry = dataclasses.replace(self.carry, state=state)
         self.carry = _start(carry, values, ids, self.eos, self.table.device(), fresh)
         self.lora = self.runner.lora_input(self.row_adapters) if self.use_lora else None
 
 
 def generate_beam(
-    model_or_runner: Any, requests: Sequence[BeamRequest], max_rows: int | None = None
+    model_or_runner: Any,
+    requests: Sequence[BeamRequest],
+    max_rows: int | None = None,
+    loop: LoopOptions | None = None,
 ) -> list[BeamResult]:
     """Beam search for every request, all beams decoded as one batch per step.
 
     ``max_rows`` bounds the cache rows (beams in flight); requests wait, in order, for rows
-    to free up. Results are in request order and equal those of each request run alone.
+    to free up. ``loop`` sets search steps per host sync. Results are in request order and
+    equal those of each request run alone.
     """
     runner = _as_runner(model_or_runner)
     requests = list(requests)
     if not requests:
         return []
-    call = BeamLane.for_requests(runner, requests, max_rows)
-    for request, adapter in zip(requests, _check(runner, requests), strict=True):
+    call = BeamLane.for_requests(runner, requests, max_rows, loop)
+    for request, adapter in zip(requests, check_beam_requests(runner, requests), strict=True):
         call.add(request, adapter)
     call.admit()
     flags = call.dispatch()

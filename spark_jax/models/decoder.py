@@ -343,6 +343,8 @@ def init_params(
 class Runner:
     """Drives the decoder steps for the engine (see ``spark_jax.model.Runner``)."""
 
+    is_encoder_decoder = False
+
     # A step with an adapter row and one without compile to different programs (the latter
     # passes lora=None): an engine warms both up (spark_jax.serving.engine.Engine.warmup).
     adapter_rows_change_the_program = True

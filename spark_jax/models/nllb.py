@@ -629,6 +629,8 @@ class NllbRunner:
     ``{code: id}`` mapping. ``default_tgt_lang`` is used by requests that name no target.
     """
 
+    is_encoder_decoder = True
+
     def __init__(
         self,
         config: NllbConfig,
