@@ -14,7 +14,6 @@ the cache in order, so reading the cache never copies it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -310,15 +309,13 @@ class Runner:
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
         self.config = config
-        # The Model's own params dict (one tree, never copied). Once an adapter is added its
-        # adapted kernels are widened in place to [W | A] (spark_jax.ops.lora.LoraPool.fuse_into)
-        # and stay so: one GEMM gives x W and x A.
+        # The params every step reads; steps never change them. With LoRA enabled the Model
+        # sets them to its fused tree (``lora_params``): adapted kernels [W | A], so one GEMM
+        # gives x W and x A.
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
-        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
-        self._fused_version: int | None = None  # the pool version self.params holds the A's of
-        self._fuse_lock = threading.Lock()
+        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config)
@@ -411,26 +408,28 @@ class Runner:
 
     def lora_input(self, adapters: Sequence[int]) -> Any:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,
-        with ``self.params`` read after this call)."""
+        with ``self.params``)."""
         return self._lora(adapters)
 
-    def _lora(self, adapters: Sequence[int] | None) -> Any:
-        """The step's adapter input: None when no row asks for an adapter, else a fused batch.
+    def lora_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as steps with this runner's pool read them: a new tree whose adapted
+        kernels hold the pool's A columns (``LoraPool.fused_params``); ``params`` is untouched.
 
-        First brings ``self.params`` up to the pool. The first step after LoRA is enabled
-        (``Model.enable_lora``, or the first ``add_adapter``) widens the adapted kernels in
-        place; after that an add or remove only rewrites the A columns, so no step shape
-        changes and an engine warmed up with LoRA enabled never recompiles for adapters. The
-        kernels are never narrowed again: with no adapter loaded their A columns are zero, and
-        a base-only step (lora None) pays one slightly wider GEMM per adapted layer.
+        ``spark_jax.model.Model`` calls this when LoRA is enabled and at every adapter add or
+        remove, and sets the result as its and this runner's params. The first call widens the
+        kernels; later ones only rewrite the A columns, so no step shape changes and an engine
+        warmed up with LoRA enabled never recompiles for adapters. The kernels are never
+        narrowed again: with no adapter loaded their A columns are zero, and a base-only step
+        (lora None) pays one slightly wider GEMM per adapted layer.
         """
+        return params if self.lora_pool is None else self.lora_pool.fused_params(params)
+
+    def _lora(self, adapters: Sequence[int] | None) -> Any:
+        """The step's adapter input: None when no row asks for an adapter, else a fused batch
+        (the A's are in ``self.params``' kernels, see ``lora_params``)."""
         pool = self.lora_pool
         if pool is None:
             return None
-        with self._fuse_lock:
-            if self._fused_version != pool.version:
-                pool.fuse_into(self.params)
-                self._fused_version = pool.version
         slots = np.asarray([] if adapters is None else adapters, np.int32)
         if not (slots >= 0).any():
             return None

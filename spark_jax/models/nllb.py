@@ -754,6 +754,11 @@ class NllbRunner:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``)."""
         return self._lora(adapters, len(adapters))
 
+    def lora_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as steps with this runner's pool read them: unchanged (NLLB's steps take
+        A and B from the pool, ``LoraPool.batch``)."""
+        return params
+
     def _lora(self, adapters: Sequence[int] | None, rows: int) -> LoraBatch | None:
         """The step's adapter input for ``rows`` batch rows (past ``adapters``: the base).
 
