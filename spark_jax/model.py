@@ -78,6 +78,7 @@ class Model:
 
     def __post_init__(self) -> None:
         self.slot_pool = SlotPool(self.max_num_seqs)
+        self._lora_lock = threading.Lock()  # one adapter change at a time (each builds on the last)
         if self.runner is None:
             self.runner = family(self.config).Runner(self.config, self.params, self.tokenizer)
         self.runner.eos_token_ids = self.eos_token_ids
@@ -111,39 +112,63 @@ class Model:
             return self.runner.logits(ids, decoder_ids, **kwargs)
         return self.runner.logits(ids, **kwargs)
 
-    # LoRA adapters: a fixed pool, so adding one never recompiles a step.
+    # LoRA adapters: a fixed pool, so adding one never recompiles a step. Every change builds
+    # new params (``_adapt``); steps only read them, and a tree taken from ``params`` earlier
+    # stays intact and valid.
 
     @property
     def lora_pool(self) -> Any:
         return getattr(self.runner, "lora_pool", None)
 
     def enable_lora(self, max_adapters: int = 8, max_rank: int = 16) -> None:
-        """Creates the adapter pool (its size is fixed: steps compile once for it)."""
+        """Creates the adapter pool (its size is fixed: steps compile once for it).
+
+        A decoder's params become a new tree with its adapted kernels widened to [W | A] (A
+        zero until an adapter is added); warm an engine up after this, not before.
+        """
         from spark_jax.ops.lora import LoraPool
 
-        if self.lora_pool is not None:
-            raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
-        targets = family(self.config).lora_targets(self.config)
-        self.runner.lora_pool = LoraPool(targets, max_adapters, max_rank, self.dtype)
+        with self._lora_lock:
+            if self.lora_pool is not None:
+                raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
+            targets = family(self.config).lora_targets(self.config)
+            self.runner.lora_pool = LoraPool(targets, max_adapters, max_rank, self.dtype)
+            self._adapt()
 
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Loads a PEFT adapter directory under ``name`` (selected by SamplingParams.adapter).
 
-        A decoder model's next step stores the adapters' A beside its kernels, in
-        ``self.params`` itself (no second copy of the weights; see ``LoraPool.fuse_into``):
-        arrays taken from ``params`` before then are deleted. ``merged`` gives plain params.
+        ``self.params`` is then a new tree holding the adapter (a decoder stores the pool's A
+        beside its kernels, see ``LoraPool.fused_params``); the previous tree is left intact.
+        ``merged`` gives plain params with one adapter folded in.
         """
         from spark_jax.ops.lora import read_peft_adapter
 
         adapter = read_peft_adapter(path, name)
         if self.lora_pool is None:
             self.enable_lora(max_rank=max(16, adapter.rank))
-        self.lora_pool.add(adapter)
+        with self._lora_lock:
+            self.lora_pool.add(adapter)
+            self._adapt()
 
     def remove_adapter(self, name: str) -> None:
+        """Unloads an adapter; ``self.params`` is then a new tree without it (see add_adapter)."""
         if self.lora_pool is None:
             raise ValueError(f"adapter {name!r} is not loaded; no adapter is.")
-        self.lora_pool.remove(name)
+        with self._lora_lock:
+            self.lora_pool.remove(name)
+            self._adapt()
+
+    def _adapt(self) -> None:
+        """Sets the params every later step reads: the runner's form of ``self.params`` for its
+        pool (``Runner.lora_params``: new arrays for the adapted kernels, every other leaf
+        shared). Nothing of the previous tree is changed or deleted."""
+        lora_params = getattr(self.runner, "lora_params", None)
+        if lora_params is None:
+            return
+        params = lora_params(self.params)
+        self.params = params
+        self.runner.params = params
 
     def adapter_slot(self, name: str | None) -> int:
         """The pool slot of an adapter name (-1 = base); unknown names are refused."""
@@ -155,7 +180,7 @@ class Model:
         """A copy of this model with one adapter folded into its weights (no per-row LoRA).
 
         Its adapted kernels are new, plain ``[in, out]`` arrays (fit to save) even when this
-        model's are fused; the other weights are shared.
+        model's are fused; the other weights are shared (and this model is unchanged).
         """
         self.adapter_slot(name)  # unknown names (or no pool) are refused clearly
         params = self.lora_pool.merged_params(self.params, name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,8 +144,9 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
 
 
 def test_adapter_a_fused_into_the_base_kernel_gives_the_pool_path_logits(lora_setup):
-    """``fuse_into`` + ``batch(fused=True)`` is the same math as the pool path, and
-    rewriting the fused columns after an adapter change follows the pool."""
+    """``fused_params`` + ``batch(fused=True)`` is the same math as the pool path, rewriting
+    the fused columns after an adapter change follows the pool, and the trees given stay
+    intact (``fuse_into``, for a caller owning its tree, builds the same kernels)."""
     hf, model, _ = lora_setup
     config = model.config
     targets = decoder.lora_targets(config)
@@ -170,14 +172,23 @@ def test_adapter_a_fused_into_the_base_kernel_gives_the_pool_path_logits(lora_se
         return np.asarray(decoder.verify(params, config, tokens, lengths, kv, lora)[0])
 
     rows = np.array([2, -1, 0, 1])
-    fused = model_from_hf(hf).params
-    pool.fuse_into(fused)
+    fused = pool.fused_params(base)
+    assert base["layers_0"]["attn"]["qkv_proj"]["kernel"].shape[1] == config.qkv_size
+    assert fused["embed_tokens"] is base["embed_tokens"]  # the unadapted leaves are shared
     np.testing.assert_allclose(
         logits(fused, pool.batch(rows, True)), logits(base, pool.batch(rows)), rtol=1e-5, atol=1e-5
     )
     pool.remove("y")
     pool.add(adapter("w", 4))
-    pool.fuse_into(fused)  # rewrites the A columns in place
+    before = np.asarray(logits(fused, pool.batch(rows, True)))
+    fused = pool.fused_params(fused)  # rewrites the A columns, in new arrays
+    owned = model_from_hf(hf).params
+    pool.fuse_into(owned)
+    for path in {t.path for t in targets.values()}:
+        node, same = fused, owned
+        for key in path:
+            node, same = node[key], same[key]
+        np.testing.assert_array_equal(node["kernel"], same["kernel"])
     width = pool.device_weights()["layers_0"]["attn"]["qkv_proj"]["a"].shape[1]
     assert fused["layers_0"]["attn"]["qkv_proj"]["kernel"].shape[1] == config.qkv_size + width
     adapted = logits(fused, pool.batch(rows, True))
@@ -189,12 +200,14 @@ def test_adapter_a_fused_into_the_base_kernel_gives_the_pool_path_logits(lora_se
     np.testing.assert_array_equal(logits(fused, None), plain)
     with pytest.raises(ValueError, match="fuse the params first"):
         logits(base, pool.batch(rows, True))
+    assert np.abs(before - adapted).max() > 1e-3  # the first fused tree kept its A's
 
 
 def test_the_engine_steps_fused_kernels_and_adapter_changes_never_recompile(lora_setup, tmp_path):
     """With adapters resident the steps run [W | A] kernels (x W and x A from one GEMM) and
     give each request its solo result; warm-up compiles the steps with and without adapter rows,
-    and swapping an adapter after it only rewrites the A columns in place: nothing compiles."""
+    and swapping an adapter after it only rewrites the A columns (new params, same shapes):
+    nothing compiles."""
     from test_scheduler import CompileCounter
 
     from spark_jax.serving.engine import Engine
@@ -244,27 +257,46 @@ def fresh_model(lora_setup, tmp_path):
     return hf, model_from_hf(hf), tmp_path / "all_r4"
 
 
-def test_adding_an_adapter_widens_the_models_own_kernels_and_frees_the_old(fresh_model):
-    """One params tree: the first step after the first add widens each adapted kernel in
-    ``model.params`` itself and deletes the plain array; never narrowed again; base-only
-    generation after removing every adapter gives the plain model's tokens."""
+def test_adapter_changes_build_new_params_and_leave_the_old_intact(fresh_model):
+    """Adding an adapter sets new params (adapted kernels widened to [W | A], every other leaf
+    shared); the tree taken before stays valid with its values, through generation too; steps
+    never change ``model.params``; never narrowed again; base-only generation after removing
+    every adapter gives the plain model's tokens."""
     hf, model, adapter_dir = fresh_model
     prompts = [random_prompt(500 + i, 6 + 3 * i) for i in range(3)]
     greedy = sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     plain_tokens = [r.output_tokens for r in sj.generate_batch(model, prompts, greedy)]
+    held = model.params
     plain = _adapted_kernels(model)
-    embedding = model.params["embed_tokens"]["embedding"]
+    values = {path: np.asarray(kernel).copy() for path, kernel in plain.items()}
+    plain_logits = model.logits(prompts[1])
+
+    def check_held_intact() -> None:
+        for path, kernel in plain.items():
+            assert held[path[0]][path[1]][path[2]]["kernel"] is kernel, path
+            assert not kernel.is_deleted(), path
+            np.testing.assert_array_equal(np.asarray(kernel), values[path])
+        np.testing.assert_array_equal(sj.Model(model.config, held).logits(prompts[1]), plain_logits)
 
     model.add_adapter("a", adapter_dir)
-    assert model.runner.params is model.params
-    adapted = sj.generate(model, prompts[0], dataclasses.replace(greedy, adapter="a"))
+    assert model.params is not held and model.runner.params is model.params
+    check_held_intact()
     fused = _adapted_kernels(model)
     for path, kernel in plain.items():
-        assert kernel.is_deleted(), path
         assert fused[path].shape[0] == kernel.shape[0]
         assert fused[path].shape[1] > kernel.shape[1], path
-    assert model.params["embed_tokens"]["embedding"] is embedding  # nothing else is touched
+    assert model.params["embed_tokens"] is held["embed_tokens"]  # nothing else is copied
+
+    adapted_params, leaves = model.params, jax.tree_util.tree_leaves(model.params)
+    adapted = sj.generate(model, prompts[0], dataclasses.replace(greedy, adapter="a"))
+    base_too = sj.generate_batch(model, prompts, greedy)  # base rows on the widened kernels
+    assert model.params is adapted_params and model.runner.params is adapted_params
+    after = jax.tree_util.tree_leaves(model.params)
+    assert len(after) == len(leaves) and all(x is y for x, y in zip(after, leaves, strict=True))
+    assert not any(leaf.is_deleted() for leaf in after)
+    check_held_intact()
     assert adapted.output_tokens != plain_tokens[0]
+    assert [r.output_tokens for r in base_too] == plain_tokens
 
     model.remove_adapter("a")
     again = [r.output_tokens for r in sj.generate_batch(model, prompts, greedy)]
@@ -272,12 +304,15 @@ def test_adding_an_adapter_widens_the_models_own_kernels_and_frees_the_old(fresh
     still = _adapted_kernels(model)
     for path, kernel in fused.items():
         assert still[path].shape == kernel.shape, path  # never un-fused: zero A columns
+        assert not kernel.is_deleted(), path  # the adapted tree, too, was left as it was
     np.testing.assert_array_equal(model.logits(prompts[1]), model_from_hf(hf).logits(prompts[1]))
+    check_held_intact()
 
 
 def test_merged_and_speculative_drafts_work_from_an_adapted_model(fresh_model):
-    """``merged`` gives plain kernels from fused ones; a layer-skip draft (sharing the model's
-    layer dicts) and plain target steps run on the widened kernels with no adapter input."""
+    """``merged`` gives plain kernels from fused ones; a layer-skip draft built before the
+    adapter (on the plain tree it took) or after it (on the widened kernels) and plain target
+    steps run with no adapter input."""
     from spark_jax.generation.speculative import LayerSkipDrafter, generate_speculative
 
     hf, model, adapter_dir = fresh_model

@@ -1,7 +1,8 @@
 """Model families behind one small interface, chosen by the config's type.
 
-``family(config)`` returns the module implementing the family: ``weight_spec``,
-``params_from_hf``, ``init_params``, ``init_cache`` and the jitted steps.
+``family(config)`` returns the module implementing the family: ``declare`` (its parameters,
+spark_jax.models.params), ``weight_spec``, ``params_from_hf`` and ``lora_targets`` (derived from
+the declaration), ``init_params``, ``init_cache`` and the jitted steps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from spark_jax.config import ModelConfig, NllbConfig
-from spark_jax.models.weights import WeightSpec
+from spark_jax.models.params import Declaration, Param, WeightSpec
 
 
 def family(config: ModelConfig | NllbConfig) -> ModuleType:
@@ -25,6 +26,11 @@ def family(config: ModelConfig | NllbConfig) -> ModuleType:
     from spark_jax.models import decoder
 
     return decoder
+
+
+def declare(config: ModelConfig | NllbConfig) -> Declaration:
+    """Every parameter of this config's model: params path, HF tensors, shapes, LoRA parts."""
+    return family(config).declare(config)
 
 
 def weight_spec(config: ModelConfig | NllbConfig) -> WeightSpec:
@@ -39,4 +45,12 @@ def params_from_hf(
     return family(config).params_from_hf(config, tensors)
 
 
-__all__ = ["WeightSpec", "family", "params_from_hf", "weight_spec"]
+__all__ = [
+    "Declaration",
+    "Param",
+    "WeightSpec",
+    "declare",
+    "family",
+    "params_from_hf",
+    "weight_spec",
+]

@@ -14,7 +14,6 @@ the cache in order, so reading the cache never copies it.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -26,111 +25,77 @@ import numpy as np
 
 from spark_jax.config import ModelConfig
 from spark_jax.models.common import bucket, random_params
-from spark_jax.models.weights import WeightSpec
+from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
 from spark_jax.ops.attention import AttentionMask, attention, cache_attention
 from spark_jax.ops.kv_cache import KVCache, write_kv
 from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.ops.lora import LoraTarget, scope
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint layout: HF tensor names → this module tree. Q/K/V and gate/up are fused so a
-# decode step reads each layer's weights in two matmuls instead of five.
+# Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it. Q/K/V
+# and gate/up are fused so a decode step reads each layer's weights in two matmuls, not five.
+
+
+def declare_layer(config: ModelConfig, i: int) -> list[Param]:
+    """The parameters of decoder layer ``i`` (``DecoderLayer``)."""
+    c, p, layer = config, f"model.layers.{i}.", f"layers_{i}"
+    d, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
+    attn = p + "self_attn."
+    params = [
+        *norm((layer, "input_norm"), p + "input_layernorm", d),
+        *norm((layer, "post_attn_norm"), p + "post_attention_layernorm", d),
+        *linear(
+            (layer, "attn", "qkv_proj"),
+            [attn + "q_proj", attn + "k_proj", attn + "v_proj"],
+            d,
+            [q, kv, kv],
+            bias=c.qkv_bias,
+        ),
+        *linear((layer, "attn", "o_proj"), [attn + "o_proj"], q, [d]),
+        *linear(
+            (layer, "mlp", "gate_up_proj"), [p + "mlp.gate_proj", p + "mlp.up_proj"], d, [f, f]
+        ),
+        *linear((layer, "mlp", "down_proj"), [p + "mlp.down_proj"], f, [d]),
+    ]
+    if c.qk_norm:
+        params += norm((layer, "attn", "q_norm"), attn + "q_norm", c.head_dim)
+        params += norm((layer, "attn", "k_norm"), attn + "k_norm", c.head_dim)
+    return params
+
+
+def declare(config: ModelConfig) -> Declaration:
+    """Every parameter of ``DecoderLM`` for this config. A tied LM head is the embedding, so a
+    checkpoint's ``lm_head.weight`` is then an optional copy."""
+    c, d = config, config.hidden_size
+    tied = c.tie_word_embeddings
+    head = [] if tied else linear(("lm_head",), ["lm_head"], d, [c.vocab_size], lora=False)
+    return Declaration.of(
+        embedding(
+            ("embed_tokens",),
+            "model.embed_tokens.weight",
+            c.vocab_size,
+            d,
+            aliases=["lm_head.weight"] if tied else [],
+        ),
+        norm(("final_norm",), "model.norm", d),
+        head,
+        *(declare_layer(c, i) for i in range(c.num_layers)),
+    )
 
 
 def weight_spec(config: ModelConfig) -> WeightSpec:
     """The HF tensors a checkpoint of this config holds, with their shapes."""
-    d, f = config.hidden_size, config.intermediate_size
-    required: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, d),
-        "model.norm.weight": (d,),
-    }
-    optional: dict[str, tuple[int, ...]] = {}
-    lm_head = {"lm_head.weight": (config.vocab_size, d)}
-    (optional if config.tie_word_embeddings else required).update(lm_head)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        required |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (config.q_size, d),
-            p + "self_attn.k_proj.weight": (config.kv_size, d),
-            p + "self_attn.v_proj.weight": (config.kv_size, d),
-            p + "self_attn.o_proj.weight": (d, config.q_size),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-        if config.qkv_bias:
-            required |= {
-                p + "self_attn.q_proj.bias": (config.q_size,),
-                p + "self_attn.k_proj.bias": (config.kv_size,),
-                p + "self_attn.v_proj.bias": (config.kv_size,),
-            }
-        if config.qk_norm:
-            required |= {
-                p + "self_attn.q_norm.weight": (config.head_dim,),
-                p + "self_attn.k_norm.weight": (config.head_dim,),
-            }
-    return WeightSpec(required=required, optional=optional)
+    return declare(config).weight_spec()
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """HF tensors (torch layout, [out, in]) → this model's params tree (kernels [in, out])."""
-
-    def t(name: str) -> np.ndarray:
-        return np.asarray(tensors[name])
-
-    params: dict[str, Any] = {
-        "embed_tokens": {"embedding": t("model.embed_tokens.weight")},
-        "final_norm": {"scale": t("model.norm.weight")},
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = {"kernel": t("lm_head.weight").T}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        qkv = [t(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-        attn: dict[str, Any] = {
-            "qkv_proj": {"kernel": np.concatenate(qkv, axis=0).T},
-            "o_proj": {"kernel": t(p + "self_attn.o_proj.weight").T},
-        }
-        if config.qkv_bias:
-            attn["qkv_proj"]["bias"] = np.concatenate(
-                [t(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            )
-        if config.qk_norm:
-            attn["q_norm"] = {"scale": t(p + "self_attn.q_norm.weight")}
-            attn["k_norm"] = {"scale": t(p + "self_attn.k_norm.weight")}
-        gate_up = np.concatenate([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
-        params[f"layers_{i}"] = {
-            "input_norm": {"scale": t(p + "input_layernorm.weight")},
-            "post_attn_norm": {"scale": t(p + "post_attention_layernorm.weight")},
-            "attn": attn,
-            "mlp": {
-                "gate_up_proj": {"kernel": gate_up.T},
-                "down_proj": {"kernel": t(p + "mlp.down_proj.weight").T},
-            },
-        }
-    return params
+    return declare(config).from_hf(tensors)
 
 
 def lora_targets(config: ModelConfig) -> dict[str, LoraTarget]:
     """PEFT module names → where their low-rank updates land in our fused layers."""
-    d, f, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    targets = {}
-    for i in range(config.num_layers):
-        p, layer = f"model.layers.{i}.", f"layers_{i}"
-        qkv = (layer, "attn", "qkv_proj")
-        gate_up = (layer, "mlp", "gate_up_proj")
-        targets |= {
-            p + "self_attn.q_proj": LoraTarget(qkv, 0, 3, d, 0, q, q + 2 * kv),
-            p + "self_attn.k_proj": LoraTarget(qkv, 1, 3, d, q, kv, q + 2 * kv),
-            p + "self_attn.v_proj": LoraTarget(qkv, 2, 3, d, q + kv, kv, q + 2 * kv),
-            p + "self_attn.o_proj": LoraTarget((layer, "attn", "o_proj"), 0, 1, q, 0, d, d),
-            p + "mlp.gate_proj": LoraTarget(gate_up, 0, 2, d, 0, f, 2 * f),
-            p + "mlp.up_proj": LoraTarget(gate_up, 1, 2, d, f, f, 2 * f),
-            p + "mlp.down_proj": LoraTarget((layer, "mlp", "down_proj"), 0, 1, f, 0, d, d),
-        }
-    return targets
+    return declare(config).lora_targets()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,15 +316,13 @@ class Runner:
 
     def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
         self.config = config
-        # The Model's own params dict (one tree, never copied). Once an adapter is added its
-        # adapted kernels are widened in place to [W | A] (spark_jax.ops.lora.LoraPool.fuse_into)
-        # and stay so: one GEMM gives x W and x A.
+        # The params every step reads; steps never change them. With LoRA enabled the Model
+        # sets them to its fused tree (``lora_params``): adapted kernels [W | A], so one GEMM
+        # gives x W and x A.
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
-        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
-        self._fused_version: int | None = None  # the pool version self.params holds the A's of
-        self._fuse_lock = threading.Lock()
+        self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config)
@@ -453,26 +416,28 @@ class Runner:
 
     def lora_input(self, adapters: Sequence[int]) -> Any:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,
-        with ``self.params`` read after this call)."""
+        with ``self.params``)."""
         return self._lora(adapters)
 
-    def _lora(self, adapters: Sequence[int] | None) -> Any:
-        """The step's adapter input: None when no row asks for an adapter, else a fused batch.
+    def lora_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as steps with this runner's pool read them: a new tree whose adapted
+        kernels hold the pool's A columns (``LoraPool.fused_params``); ``params`` is untouched.
 
-        First brings ``self.params`` up to the pool. The first step after LoRA is enabled
-        (``Model.enable_lora``, or the first ``add_adapter``) widens the adapted kernels in
-        place; after that an add or remove only rewrites the A columns, so no step shape
-        changes and an engine warmed up with LoRA enabled never recompiles for adapters. The
-        kernels are never narrowed again: with no adapter loaded their A columns are zero, and
-        a base-only step (lora None) pays one slightly wider GEMM per adapted layer.
+        ``spark_jax.model.Model`` calls this when LoRA is enabled and at every adapter add or
+        remove, and sets the result as its and this runner's params. The first call widens the
+        kernels; later ones only rewrite the A columns, so no step shape changes and an engine
+        warmed up with LoRA enabled never recompiles for adapters. The kernels are never
+        narrowed again: with no adapter loaded their A columns are zero, and a base-only step
+        (lora None) pays one slightly wider GEMM per adapted layer.
         """
+        return params if self.lora_pool is None else self.lora_pool.fused_params(params)
+
+    def _lora(self, adapters: Sequence[int] | None) -> Any:
+        """The step's adapter input: None when no row asks for an adapter, else a fused batch
+        (the A's are in ``self.params``' kernels, see ``lora_params``)."""
         pool = self.lora_pool
         if pool is None:
             return None
-        with self._fuse_lock:
-            if self._fused_version != pool.version:
-                pool.fuse_into(self.params)
-                self._fused_version = pool.version
         slots = np.asarray([] if adapters is None else adapters, np.int32)
         if not (slots >= 0).any():
             return None

@@ -38,130 +38,83 @@ import numpy as np
 
 from spark_jax.config import NllbConfig
 from spark_jax.models.common import bucket, random_params
-from spark_jax.models.weights import WeightSpec
+from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
 from spark_jax.ops.attention import AttentionMask, attention, packed_cache_step_attention
 from spark_jax.ops.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint layout: HF tensor names → this module tree. Self-attention Q/K/V are fused into one
-# matmul; cross-attention K/V are fused (projected once per request), Q stays apart.
+# Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it.
+# Self-attention Q/K/V are fused into one matmul; cross-attention K/V are fused (projected once
+# per request, with the request's adapter), Q stays apart.
 
-_LN = ("weight", "bias")
+
+def declare_layer(config: NllbConfig, stack: str, i: int) -> list[Param]:
+    """The parameters of layer ``i`` of ``stack`` ("encoder": ``EncoderLayer``, "decoder":
+    ``DecoderLayer``, which adds cross-attention)."""
+    d, p, layer = config.d_model, f"model.{stack}.layers.{i}.", f"{stack}_layers_{i}"
+    f = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
+    attn = p + "self_attn."
+    params = [
+        *norm((layer, "self_attn_norm"), p + "self_attn_layer_norm", d, bias=True),
+        *linear(
+            (layer, "self_attn", "qkv_proj"),
+            [attn + "q_proj", attn + "k_proj", attn + "v_proj"],
+            d,
+            [d, d, d],
+            bias=True,
+        ),
+        *linear((layer, "self_attn", "out_proj"), [attn + "out_proj"], d, [d], bias=True),
+        *norm((layer, "ffn_norm"), p + "final_layer_norm", d, bias=True),
+        *linear((layer, "mlp", "fc1"), [p + "fc1"], d, [f], bias=True),
+        *linear((layer, "mlp", "fc2"), [p + "fc2"], f, [d], bias=True),
+    ]
+    if stack == "decoder":
+        cross = p + "encoder_attn."
+        params += [
+            *norm((layer, "cross_attn_norm"), p + "encoder_attn_layer_norm", d, bias=True),
+            *linear((layer, "cross_attn", "q_proj"), [cross + "q_proj"], d, [d], bias=True),
+            *linear(
+                (layer, "cross_attn", "kv_proj"),
+                [cross + "k_proj", cross + "v_proj"],
+                d,
+                [d, d],
+                bias=True,
+            ),
+            *linear((layer, "cross_attn", "out_proj"), [cross + "out_proj"], d, [d], bias=True),
+        ]
+    return params
 
 
-def _layer_tensors(prefix: str, d: int, f: int, cross: bool) -> dict[str, tuple[int, ...]]:
-    shapes = {"fc1.weight": (f, d), "fc1.bias": (f,), "fc2.weight": (d, f), "fc2.bias": (d,)}
-    attentions = ["self_attn"] + (["encoder_attn"] if cross else [])
-    for attn in attentions:
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            shapes |= {f"{attn}.{proj}.weight": (d, d), f"{attn}.{proj}.bias": (d,)}
-        shapes |= {f"{attn}_layer_norm.{n}": (d,) for n in _LN}
-    shapes |= {f"final_layer_norm.{n}": (d,) for n in _LN}
-    return {prefix + name: shape for name, shape in shapes.items()}
+def declare(config: NllbConfig) -> Declaration:
+    """Every parameter of ``Nllb`` for this config. ``model.shared.weight`` is the embedding;
+    the per-stack embeddings and ``lm_head.weight`` are the same tied tensor in HF, so a
+    checkpoint may store them or not."""
+    d, v = config.d_model, config.vocab_size
+    copies = ["model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"]
+    return Declaration.of(
+        embedding(("shared",), "model.shared.weight", v, d, aliases=[*copies, "lm_head.weight"]),
+        norm(("encoder_norm",), "model.encoder.layer_norm", d, bias=True),
+        norm(("decoder_norm",), "model.decoder.layer_norm", d, bias=True),
+        *(declare_layer(config, "encoder", i) for i in range(config.encoder_layers)),
+        *(declare_layer(config, "decoder", i) for i in range(config.decoder_layers)),
+    )
 
 
 def weight_spec(config: NllbConfig) -> WeightSpec:
-    """The HF tensors a checkpoint of this config holds; ``model.shared.weight`` is the embedding.
-
-    The per-stack embeddings and ``lm_head.weight`` are the same tied tensor in HF, so a
-    checkpoint may store them or not.
-    """
-    d, v = config.d_model, config.vocab_size
-    required: dict[str, tuple[int, ...]] = {"model.shared.weight": (v, d)}
-    for stack, layers, ffn in (
-        ("encoder", config.encoder_layers, config.encoder_ffn_dim),
-        ("decoder", config.decoder_layers, config.decoder_ffn_dim),
-    ):
-        required |= {f"model.{stack}.layer_norm.{n}": (d,) for n in _LN}
-        for i in range(layers):
-            required |= _layer_tensors(f"model.{stack}.layers.{i}.", d, ffn, stack == "decoder")
-    optional = {
-        "model.encoder.embed_tokens.weight": (v, d),
-        "model.decoder.embed_tokens.weight": (v, d),
-        "lm_head.weight": (v, d),
-    }
-    return WeightSpec(required=required, optional=optional)
+    """The HF tensors a checkpoint of this config holds, with their shapes."""
+    return declare(config).weight_spec()
 
 
 def params_from_hf(config: NllbConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """HF tensors (torch layout, [out, in]) → this model's params tree (kernels [in, out])."""
-
-    def t(name: str) -> np.ndarray:
-        return np.asarray(tensors[name])
-
-    def norm(name: str) -> dict[str, np.ndarray]:
-        return {"scale": t(name + ".weight"), "bias": t(name + ".bias")}
-
-    def linear(names: Sequence[str]) -> dict[str, np.ndarray]:
-        kernel = np.concatenate([t(n + ".weight") for n in names], axis=0).T
-        return {"kernel": kernel, "bias": np.concatenate([t(n + ".bias") for n in names])}
-
-    def layer(p: str, cross: bool) -> dict[str, Any]:
-        out = {
-            "self_attn_norm": norm(p + "self_attn_layer_norm"),
-            "self_attn": {
-                "qkv_proj": linear([p + f"self_attn.{n}_proj" for n in "qkv"]),
-                "out_proj": linear([p + "self_attn.out_proj"]),
-            },
-            "ffn_norm": norm(p + "final_layer_norm"),
-            "mlp": {"fc1": linear([p + "fc1"]), "fc2": linear([p + "fc2"])},
-        }
-        if cross:
-            out["cross_attn_norm"] = norm(p + "encoder_attn_layer_norm")
-            out["cross_attn"] = {
-                "q_proj": linear([p + "encoder_attn.q_proj"]),
-                "kv_proj": linear([p + "encoder_attn.k_proj", p + "encoder_attn.v_proj"]),
-                "out_proj": linear([p + "encoder_attn.out_proj"]),
-            }
-        return out
-
-    params: dict[str, Any] = {
-        "shared": {"embedding": t("model.shared.weight")},
-        "encoder_norm": norm("model.encoder.layer_norm"),
-        "decoder_norm": norm("model.decoder.layer_norm"),
-    }
-    for i in range(config.encoder_layers):
-        params[f"encoder_layers_{i}"] = layer(f"model.encoder.layers.{i}.", cross=False)
-    for i in range(config.decoder_layers):
-        params[f"decoder_layers_{i}"] = layer(f"model.decoder.layers.{i}.", cross=True)
-    return params
+    return declare(config).from_hf(tensors)
 
 
 def lora_targets(config: NllbConfig) -> dict[str, LoraTarget]:
-    """PEFT module names → where their low-rank updates land in our (fused) layers.
-
-    Self-attention q/k/v share ``qkv_proj`` (3 parts), cross-attention k/v share ``kv_proj``
-    (2 parts, projected once per request at prefill with the request's adapter).
-    """
-    d = config.d_model
-    targets: dict[str, LoraTarget] = {}
-    for stack, num_layers, f in (
-        ("encoder", config.encoder_layers, config.encoder_ffn_dim),
-        ("decoder", config.decoder_layers, config.decoder_ffn_dim),
-    ):
-        for i in range(num_layers):
-            p, layer = f"model.{stack}.layers.{i}.", f"{stack}_layers_{i}"
-            qkv, out = (layer, "self_attn", "qkv_proj"), (layer, "self_attn", "out_proj")
-            targets |= {
-                p + "self_attn.q_proj": LoraTarget(qkv, 0, 3, d, 0, d, 3 * d),
-                p + "self_attn.k_proj": LoraTarget(qkv, 1, 3, d, d, d, 3 * d),
-                p + "self_attn.v_proj": LoraTarget(qkv, 2, 3, d, 2 * d, d, 3 * d),
-                p + "self_attn.out_proj": LoraTarget(out, 0, 1, d, 0, d, d),
-                p + "fc1": LoraTarget((layer, "mlp", "fc1"), 0, 1, d, 0, f, f),
-                p + "fc2": LoraTarget((layer, "mlp", "fc2"), 0, 1, f, 0, d, d),
-            }
-            if stack == "decoder":
-                q, kv = (layer, "cross_attn", "q_proj"), (layer, "cross_attn", "kv_proj")
-                out = (layer, "cross_attn", "out_proj")
-                targets |= {
-                    p + "encoder_attn.q_proj": LoraTarget(q, 0, 1, d, 0, d, d),
-                    p + "encoder_attn.k_proj": LoraTarget(kv, 0, 2, d, 0, d, 2 * d),
-                    p + "encoder_attn.v_proj": LoraTarget(kv, 1, 2, d, d, d, 2 * d),
-                    p + "encoder_attn.out_proj": LoraTarget(out, 0, 1, d, 0, d, d),
-                }
-    return targets
+    """PEFT module names → where their low-rank updates land in our (fused) layers."""
+    return declare(config).lora_targets()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,6 +755,11 @@ class NllbRunner:
     def lora_input(self, adapters: Sequence[int]) -> LoraBatch | None:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``)."""
         return self._lora(adapters, len(adapters))
+
+    def lora_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as steps with this runner's pool read them: unchanged (NLLB's steps take
+        A and B from the pool, ``LoraPool.batch``)."""
+        return params
 
     def _lora(self, adapters: Sequence[int] | None, rows: int) -> LoraBatch | None:
         """The step's adapter input for ``rows`` batch rows (past ``adapters``: the base).

@@ -28,7 +28,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
-        # Once adapters were fused (LoraPool.fuse_into) the stored kernel is [W | a]: one GEMM
+        # Once adapters were fused (LoraPool.fused_params) the kernel is [W | a]: one GEMM
         # gives x W and x a. Its width is read from the params, never declared (Flax would
         # refuse the shape), and the output is sliced, not the kernel (no copy of W per step).
         if self.has_variable("params", "kernel"):
@@ -60,7 +60,7 @@ def _lora_delta(lora: LoraBatch, x: jax.Array, h: jax.Array | None) -> jax.Array
     if columns != lora.kernel_columns:
         raise ValueError(
             f"a fused adapter batch needs a kernel with {lora.kernel_columns} A columns beside "
-            f"W, this one has {columns}: fuse the params first (LoraPool.fuse_into)."
+            f"W, this one has {columns}: fuse the params first (LoraPool.fused_params)."
         )
     return lora.project(h)
 

@@ -16,12 +16,13 @@ one batched GEMM over the chunks, where ``row_mask [B, n*R]`` keeps only the col
 row's adapter: no gathers of weights per row, and a base row (mask all zero) adds an exact zero.
 
 ``x a`` as a GEMM of its own is thin (one launch per adapted layer, with few output tiles to
-spread over the GPU). ``LoraPool.fuse_into`` stores ``a`` beside ``W`` instead, as the extra
+spread over the GPU). ``LoraPool.fused_params`` stores ``a`` beside ``W`` instead, as the extra
 columns of one kernel ``[in, out + p*n*R]``: the base GEMM then yields ``x W`` and ``x a``
 together, and a step's ``LoraBatch`` (``batch(rows, fused=True)``) carries only ``b``. It
-rewrites the model's own params in place, kernel by kernel, so the weights are never held
-twice; once fused they stay fused (``Linear`` slices a widened kernel's output when a step has
-no adapter). The decoder's Runner fuses when the first adapter arrives; NLLB runs the pool path.
+returns a new params tree (the given one stays intact and valid); ``spark_jax.model.Model``
+builds it when LoRA is enabled and at every adapter add or remove, so steps only read params.
+Once fused, kernels stay fused (``Linear`` slices a widened kernel's output when a step has no
+adapter). The decoder fuses; NLLB runs the pool path.
 """
 
 from __future__ import annotations
@@ -153,15 +154,33 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-@partial(jax.jit, donate_argnums=0)
+def _replace(tree: Mapping, updates: Mapping[tuple[str, ...], Any]) -> dict:
+    """A copy of ``tree`` with the leaves at ``updates``' paths replaced.
+
+    Only the dicts on those paths are new; every other node and leaf is shared, and ``tree``
+    itself is left as it was.
+    """
+    out = dict(tree)
+    below: dict[str, dict[tuple[str, ...], Any]] = {}
+    for path, value in updates.items():
+        if len(path) == 1:
+            out[path[0]] = value
+        else:
+            below.setdefault(path[0], {})[path[1:]] = value
+    for key, sub in below.items():
+        out[key] = _replace(tree[key], sub)
+    return out
+
+
+@jax.jit
 def _write_columns(kernel: jax.Array, a: jax.Array) -> jax.Array:
-    """A fused kernel ``[W | a]`` with its last columns replaced by ``a`` (in place)."""
+    """A new fused kernel: ``kernel`` ``[W | a']`` with its last columns replaced by ``a``."""
     return jax.lax.dynamic_update_slice(kernel, a, (0, kernel.shape[1] - a.shape[1]))
 
 
 @jax.jit
 def _widen(kernel: jax.Array, a: jax.Array) -> jax.Array:
-    """``[W | a]`` from a plain kernel: a new, wider array (the caller deletes ``kernel``)."""
+    """``[W | a]`` from a plain kernel: a new, wider array (``kernel`` is left as it was)."""
     return jnp.concatenate([kernel, a], axis=1)
 
 
@@ -180,7 +199,7 @@ class LoraPool:
         self.max_rank = max_rank
         self.dtype = dtype
         self.names: list[str | None] = [None] * max_adapters
-        self.version = 0  # bumped by every add / remove (callers holding fused params re-fuse)
+        self.version = 0  # bumped by every add / remove (fused params of an older one are stale)
         parts: dict[tuple[str, ...], dict[int, LoraTarget]] = {}
         for t in self.targets.values():
             parts.setdefault(t.path, {})[t.part] = t
@@ -285,7 +304,7 @@ class LoraPool:
     def batch(self, adapter_slots: np.ndarray, fused: bool = False) -> LoraBatch:
         """The per-step input: the pool and each row's adapter slot (-1 = base).
 
-        ``fused``: for params fused by ``fuse_into``, whose kernels hold the A's; the batch then
+        ``fused``: for params fused by ``fused_params``, whose kernels hold the A's; the batch then
         carries only the B's.
         """
         rows = jnp.asarray(adapter_slots, jnp.int32)
@@ -293,34 +312,46 @@ class LoraPool:
         chunks = tuple((path, counts) for path, (_, counts) in self._chunks.items())
         return LoraBatch(weights, rows, self.max_adapters, chunks)
 
-    def fuse_into(self, params: dict) -> None:
-        """Stores the pool's A beside each adapted kernel of ``params``, in place.
+    def fused_params(self, params: Mapping) -> dict:
+        """A new params tree whose adapted kernels hold the pool's A beside W.
 
-        A plain kernel ``[in, out]`` is replaced by ``[W | a]`` (``[in, out + p*n*R]``) in its
-        own dict, and the old array is deleted as soon as the new one exists: the peak extra
-        memory is one kernel, not the model, and every tree sharing these dicts (the Model's,
-        its Runner's, a layer-skip draft's) sees the widened kernels. A fused kernel only has
-        its A columns rewritten (``_write_columns`` donates it). Arrays of the old kernels held
-        elsewhere become unusable. Steps then take ``batch(rows, fused=True)``, or no adapter
-        input at all (``Linear`` drops the A columns of the output).
+        A plain kernel ``[in, out]`` becomes ``[W | a]`` (``[in, out + p*n*R]``); a fused one
+        gets its A columns rewritten, so after the first fuse no shape changes. The result
+        shares every other leaf with ``params``; ``params`` is left intact and valid (nothing
+        is deleted or donated), so a caller holding it, or a tree sharing its dicts, keeps
+        the weights it had. Steps then take ``batch(rows, fused=True)``, or no adapter input at
+        all (``Linear`` drops the A columns of the output).
         """
-        for path, layer in self._layers.items():
+        updates = {
+            path + ("kernel",): self._fused_kernel(path, _get(params, path)["kernel"])
+            for path in self._layers
+        }
+        return _replace(params, updates)
+
+    def fuse_into(self, params: dict) -> None:
+        """``fused_params`` written into ``params``' own dicts, for a caller that owns the tree.
+
+        Each old kernel is only dropped from its dict, never deleted: it is freed once nothing
+        else holds it, so a sole owner needs no second copy of the weights. ``Model`` never
+        uses this (it keeps the trees it handed out intact).
+        """
+        for path in self._layers:
             node = _get(params, path)
-            kernel = node["kernel"]
-            a = jnp.asarray(layer["a"], kernel.dtype)
-            if kernel.shape[1] == self._out_dim(path):
-                widened = jax.block_until_ready(_widen(kernel, a))
-                if isinstance(kernel, jax.Array):  # not a host array given as a param
-                    kernel.delete()
-                kernel = widened
-            # Also after widening (rewriting the same columns): the first fuse, at an engine's
-            # warm-up, then compiles the rewrite too, and a later add or remove compiles nothing.
-            node["kernel"] = _write_columns(kernel, a)
+            node["kernel"] = self._fused_kernel(path, node["kernel"])
+
+    def _fused_kernel(self, path: tuple[str, ...], kernel: Any) -> jax.Array:
+        a = jnp.asarray(self._layers[path]["a"], kernel.dtype)
+        if kernel.shape[1] == self._out_dim(path):
+            kernel = _widen(kernel, a)
+        # Also after widening (rewriting the same columns): the first fuse, when LoRA is
+        # enabled (before an engine's warm-up), then compiles the rewrite too, and a later add
+        # or remove compiles nothing.
+        return _write_columns(kernel, a)
 
     def merged_params(self, params: Any, name: str) -> Any:
         """``params`` with one adapter folded into the weights (single-adapter deployments).
 
-        ``params`` may be plain or fused (``fuse_into``); the result is a new, plain tree either
+        ``params`` may be plain or fused (``fused_params``); the result is a new, plain tree either
         way (the A columns of a fused kernel are dropped), fit to save or to serve alone.
         """
         slot = self.index(name)
