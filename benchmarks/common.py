@@ -1,29 +1,195 @@
-"""Shared helpers of the GPU benchmarks: timing with device sync, floors, peers and output.
+"""What the suites share: device timing, ceilings, shapes, random models, options and output.
 
-Every benchmark measures its two ceilings in the same run (``copy_bandwidth`` and
-``matmul_rate``), times device work only after a sync (``median_seconds``, ``chain_seconds``,
-``back_to_back_seconds``) or with CUDA events for torch peers (``torch_median_seconds``), and
-ends with one JSON line (``emit``) and a short table (``print_table``). Nothing here imports
-torch at module level: the torch peers run in their own process so JAX and torch never share
-the GPU's memory.
+Timing: JAX work is timed only after a device sync (``median_seconds``), as a chain of calls
+dispatched back to back with one sync (``chain_seconds``), or as the device's time per call
+with a chain's fixed cost taken out (``back_to_back_seconds``); torch peers with CUDA events
+(``torch_median_seconds``). Ceilings are measured in the same run (``copy_bandwidth``,
+``read_bandwidth``, ``matmul_rate``). Nothing here imports torch at module level: torch peers
+run in a process of their own (``peer_in_subprocess``) so JAX and torch never share the GPU.
+
+Options: ``kernel_options`` / ``loop_options`` give the keyword arguments that select
+non-default kernels or loops through the public API. An older checkout without the options
+classes (``--against``) measures the defaults only; a suite records what it had to skip.
+
+Output: every suite returns a ``Report``; ``finish`` prints it as one JSON line, then a table.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import datetime
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-HBM_BYTES_PER_S = 4.3e12  # DESIGN.md: torch device copy on the H200, bytes read + written
+from spark_jax.config import ModelConfig, RopeConfig
+
+REPO = Path(__file__).resolve().parent.parent
+HBM_BYTES_PER_S = 4.3e12  # the H200's nominal bandwidth, bytes read + written
 State = TypeVar("State")
+
+
+class Unsupported(Exception):
+    """The tree under test lacks what a measurement needs (an option, a GPU, torch)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes.
+
+LLAMA3_ROPE = RopeConfig(
+    theta=500000.0,
+    kind="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+LLAMA3_8B = ModelConfig(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope=LLAMA3_ROPE,
+    max_position_embeddings=131072,
+)
+TINY_LLAMA = dataclasses.replace(
+    LLAMA3_8B,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
+
+
+def llama(tiny: bool) -> tuple[ModelConfig, str]:
+    """(config, dtype) of a suite: Llama-3-8B in bf16, or the tiny stand-in in fp32 (the CPU
+    backend has no bf16 x bf16 -> f32 batched dot)."""
+    return (TINY_LLAMA, "float32") if tiny else (LLAMA3_8B, "bfloat16")
+
+
+def hf_llama_kwargs(config: ModelConfig, **overrides: Any) -> dict[str, Any]:
+    """``transformers.LlamaConfig`` keyword arguments of the same model (the torch peers')."""
+    rope = config.rope
+    kwargs = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": rope.kind,
+            "rope_theta": rope.theta,
+            "factor": rope.factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        },
+    )
+    return kwargs | overrides
+
+
+def weight_bytes_per_step(config: ModelConfig, itemsize: int = 2) -> int:
+    """Weights a decode step reads: all but the embedding table (it gathers B rows of it)."""
+    return (config.num_params - config.vocab_size * config.hidden_size) * itemsize
+
+
+def kv_bytes_per_token(config: ModelConfig, itemsize: int = 2) -> int:
+    """K and V of one position over all layers."""
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+
+
+def prefill_flops(config: ModelConfig, batch: int, length: int) -> float:
+    """Matmul FLOPs of a causal prefill: projections of every token, the causal half of
+    attention, and the LM head of the last token of each row."""
+    d, f = config.hidden_size, config.intermediate_size
+    per_token = config.num_layers * 2 * (d * config.qkv_size + config.q_size * d + 3 * d * f)
+    attention = config.num_layers * batch * 2 * length * length * config.q_size
+    return per_token * batch * length + attention + 2 * batch * d * config.vocab_size
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` random token ids."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and options through the public API.
+
+
+def random_params(config: Any, dtype: str, seed: int = 0) -> Any:
+    """Random weights of the config's family, as ``init_params`` draws them."""
+    try:
+        from spark_jax.models import family
+    except ImportError:  # a tree from before the family interface
+        from spark_jax.models import decoder
+
+        return decoder.init_params(config, jax.random.key(seed), dtype)
+    return family(config).init_params(config, jax.random.key(seed), dtype)
+
+
+def has_options() -> bool:
+    """Whether the tree under test takes options objects (KernelOptions, LoopOptions)."""
+    try:
+        from spark_jax.generation.step import LoopOptions  # noqa: F401
+        from spark_jax.ops.options import KernelOptions  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_options(**fields: Any) -> dict[str, Any]:
+    """``sj.Model`` / ``sj.load`` / attention keyword arguments selecting these kernel options;
+    ``{}`` for the defaults, so a tree without the options runs the very same call."""
+    if not fields:
+        return {}
+    try:
+        from spark_jax.ops.options import KernelOptions
+    except ImportError as error:
+        raise Unsupported(f"this tree has no KernelOptions ({fields} not measurable)") from error
+    return {"options": KernelOptions(**fields)}
+
+
+def loop_options(**fields: Any) -> dict[str, Any]:
+    """``sj.generate_batch`` / ``sj.generate_beam`` keyword arguments selecting these loop
+    options; ``{}`` for the defaults."""
+    if not fields:
+        return {}
+    try:
+        from spark_jax.generation.step import LoopOptions
+    except ImportError as error:
+        raise Unsupported(f"this tree has no LoopOptions ({fields} not measurable)") from error
+    return {"loop": LoopOptions(**fields)}
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,10 +232,10 @@ def chain_seconds(
 def back_to_back_seconds(
     fn: Callable[[], Any], calls: int, repeats: int = 5, warmup: int = 1
 ) -> float:
-    """Seconds per call of ``fn()`` dispatched back to back, without a chain's fixed cost (the
-    first launch and the final sync, ~150 us on the H200: 17% of ten 90-us kernels): the
-    median over repeats of (a chain of 2 x ``calls`` - a chain of ``calls``) / ``calls``. The
-    device's time per call, as CUDA events time a torch peer."""
+    """The device's time per call of ``fn()``, as CUDA events time a torch peer: the median
+    over repeats of (a chain of 2 x ``calls`` - a chain of ``calls``) / ``calls``. The chain's
+    fixed cost (first launch, final sync: ~150 us on the H200) would otherwise be 17% of ten
+    90-us kernels."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     differences = []
@@ -80,6 +246,17 @@ def back_to_back_seconds(
     return statistics.median(differences)
 
 
+def host_median_seconds(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """(median wall time, last result) of ``fn()``, whose result is already on the host (the
+    public generation calls return lists of ids); the caller warms it up first."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     """(result, seconds) of one call, synced: for compile and first-call times."""
     start = time.perf_counter()
@@ -88,36 +265,22 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Ceilings measured in the run, and floors.
+# Ceilings measured in the run.
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
     """Device memory bandwidth in bytes/s of an elementwise pass (bytes read + written)."""
     x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
     touch = jax.jit(lambda a: a * 1.0001)
-    seconds = median_seconds(lambda: touch(x), iters=iters)
-    return 2 * nbytes / seconds
-
-
-def add_flash_prefill_flag(parser: argparse.ArgumentParser) -> None:
-    """``--flash-prefill`` / ``--no-flash-prefill``: our flash kernel in the default prefill
-    dispatch of the run or not (``spark_jax.ops.attention.FLASH_PREFILL_BY_DEFAULT``, on by
-    default as in the library); the caller sets the flag from it."""
-    parser.add_argument(
-        "--flash-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="our flash kernel in the default prefill (attention.FLASH_PREFILL_BY_DEFAULT)",
-    )
+    return 2 * nbytes / median_seconds(lambda: touch(x), iters=iters)
 
 
 def read_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
-    """Device memory bandwidth in bytes/s of a read-only pass (a sum: nothing written back),
-    the ceiling of a decode step, which reads weights and cache and writes almost nothing."""
+    """Bytes/s of a read-only pass (a sum: nothing written back), the ceiling of a decode
+    step, which reads weights and cache and writes almost nothing."""
     x = jax.random.normal(jax.random.key(3), (nbytes // 2,), jnp.bfloat16)
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    seconds = median_seconds(lambda: total(x), iters=iters)
-    return nbytes / seconds
+    return nbytes / median_seconds(lambda: total(x), iters=iters)
 
 
 def matmul_rate(n: int = 8192, iters: int = 10) -> float:
@@ -126,21 +289,25 @@ def matmul_rate(n: int = 8192, iters: int = 10) -> float:
     a = jax.random.normal(ka, (n, n), jnp.bfloat16)
     b = jax.random.normal(kb, (n, n), jnp.bfloat16)
     product = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    seconds = median_seconds(lambda: product(a, b), iters=iters)
-    return 2 * n**3 / seconds
+    return 2 * n**3 / median_seconds(lambda: product(a, b), iters=iters)
 
 
-def floor_seconds(nbytes: float, bytes_per_s: float = HBM_BYTES_PER_S) -> float:
-    """The time to move ``nbytes`` once at the given bandwidth."""
-    return nbytes / bytes_per_s
+def ceilings(tiny: bool) -> dict[str, float]:
+    """Copy, read and matmul ceilings of this device in this run (small sizes when tiny)."""
+    nbytes, n = (16 << 20, 256) if tiny else (4 << 30, 8192)
+    return {
+        "copy_bytes_per_s": copy_bandwidth(nbytes),
+        "read_bytes_per_s": read_bandwidth(nbytes),
+        "matmul_flop_s": matmul_rate(n),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing (torch peers; imported lazily, run in a process of their own).
+# Torch peers (imported lazily, run in a process of their own).
 
 
 def torch_median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
-    """Median time of ``fn()`` measured with CUDA events (host clock + sync on a CPU torch)."""
+    """Median time of ``fn()`` measured with CUDA events (host clock on a CPU torch)."""
     import torch
 
     for _ in range(warmup):
@@ -165,88 +332,107 @@ def torch_median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10
     return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
 
 
-def kernel_profile(
-    fn: Callable[[], Any], calls: int = 3, top: int = 25, per: int = 1, gaps: int = 0
-) -> dict[str, Any]:
-    """The GPU kernels of ``fn()`` (already compiled), from a JAX profiler trace of ``calls``
-    calls, per call (per ``per``-th of one: a loop of ``per`` steps gives figures per step):
-    summed time by kind (the name without its numbers), the ``top`` kernels by time, the
-    kernel count, the summed kernel time (busy) and the span from the first kernel's start to
-    the last one's end (span - busy = gaps between kernels, and between calls). ``gaps`` > 0
-    adds where the GPU idles: the idle time in gaps of >= 20 us per call, and the ``gaps``
-    longest, each with the kernels either side and its offset from the first kernel."""
-    import glob
-    import re
-    import tempfile
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    jax.block_until_ready(fn())
-    folder = tempfile.mkdtemp(prefix="kernel_profile_")
-    with jax.profiler.trace(folder):
-        for _ in range(calls):
-            jax.block_until_ready(fn())
-    (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-    events = []
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-    if not events:
-        return {"error": "no GPU kernel events in the trace"}
-    n = calls * per
-    by_name: dict[str, float] = {}
-    by_kind: dict[str, list[float]] = {}
-    for name, _, ns in events:
-        by_name[name] = by_name.get(name, 0.0) + ns / 1e3 / n
-        kind = re.sub(r"(_\d+)+(?=_|$)|\.\d+", "", name)[:80]
-        entry = by_kind.setdefault(kind, [0.0, 0.0])
-        entry[0] += 1 / n
-        entry[1] += ns / 1e3 / n
-    start = min(e[1] for e in events)
-    end = max(e[1] + e[2] for e in events)
-    ranked = sorted(by_kind.items(), key=lambda item: -item[1][1])
-    summary: dict[str, Any] = {}
-    if gaps:
-        idle, last_end, last_name = [], start, ""
-        for name, begin, ns in sorted(events, key=lambda e: e[1]):
-            if begin - last_end >= 20_000:
-                idle.append(((begin - last_end) / 1e3, last_name[:50], name[:50], last_end))
-            if begin + ns > last_end:
-                last_end, last_name = begin + ns, name
-        summary["idle_us_in_gaps"] = sum(g[0] for g in idle) / calls
-        summary["idle_gaps"] = len(idle) / calls
-        summary["longest_gaps"] = [
-            [round(us, 1), after, before, round((at - start) / 1e6, 2)]
-            for us, after, before, at in sorted(idle, key=lambda g: -g[0])[:gaps]
-        ]
-    return summary | {
-        "kernels": len(events) / n,
-        "busy_us": sum(e[2] for e in events) / 1e3 / n,
-        "span_us": (end - start) / 1e3 / n,
-        "by_kind_count_us": {k: [round(c, 1), round(us, 1)] for k, (c, us) in ranked},
-        "top_kernels_us": {
-            k[:100]: round(us, 2) for k, us in sorted(by_name.items(), key=lambda i: -i[1])[:top]
-        },
-    }
+
+def peer_in_subprocess(suite: str, tiny: bool, timeout_s: float, arg: str = "") -> dict[str, Any]:
+    """Runs ``python -m benchmarks <suite> --peer-json ...`` (the suite's ``peer``) before this
+    process touches the GPU; returns its JSON, or ``{"error": ...}``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "peer.json")
+        command = [sys.executable, "-m", "benchmarks", suite, "--peer-json", path]
+        command += (["--tiny"] if tiny else []) + (["--peer-arg", arg] if arg else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *sys.path[:1]]))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                command, cwd=REPO, env=env, timeout=timeout_s, capture_output=True, text=True
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"peer timed out after {timeout_s:.0f} s"}
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-1500:]}
+        results = json.loads(Path(path).read_text())
+    results["process_s"] = time.perf_counter() - start
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
 # Output.
 
 
-def out_dir() -> Path | None:
-    """$OUT (the device run's result folder) when set."""
-    out = os.environ.get("OUT")
-    return Path(out) if out else None
+@dataclass
+class Report:
+    """What a suite measured. ``figures`` are ours (flat name -> number, compared across trees
+    by ``--against``), ``peers`` the peers' and ceilings' from the same run, ``ratios`` ours
+    over theirs (> 1: ours better), ``notes`` what was skipped and why, ``details`` the rest;
+    ``table`` a header row then rows for the human table."""
+
+    figures: dict[str, float] = field(default_factory=dict)
+    peers: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    table: list[list[Any]] = field(default_factory=list)
 
 
-def emit(results: dict[str, Any], name: str) -> None:
-    """Prints ``results`` as one JSON line and writes it to $OUT/<name>.json when $OUT is set."""
-    line = json.dumps(results, sort_keys=True, default=str)
-    print(line, flush=True)
-    out = out_dir()
-    if out is not None:
-        (out / f"{name}.json").write_text(line + "\n")
+def tree_info() -> dict[str, Any]:
+    """The spark_jax under test: its folder, commit and API generation."""
+    import spark_jax
+
+    folder = Path(spark_jax.__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"tree": str(folder), "commit": commit, "options_api": has_options()}
+
+
+def result_line(suite: str, tiny: bool, report: Report, wall_s: float) -> dict[str, Any]:
+    """The suite's JSON object: what ran where, and the report."""
+    device = jax.devices()[0]
+    return {
+        "suite": suite,
+        "tiny": tiny,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "device": str(device.device_kind),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        **tree_info(),
+        "figures": report.figures,
+        "peers": report.peers,
+        "ratios": report.ratios,
+        "notes": report.notes,
+        "details": report.details,
+        "wall_s": wall_s,
+    }
+
+
+def write_json(line: dict[str, Any], suite: str, out: str | None) -> Path:
+    """Writes the JSON line to ``out`` (default: benchmarks/results/<suite>-<UTC time>.json)
+    and to $OUT/<suite>.json when $OUT is set (the device machine's result folder)."""
+    text = json.dumps(line, sort_keys=True, default=str) + "\n"
+    if out is None:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+        out = str(REPO / "benchmarks" / "results" / f"{suite}-{stamp}.json")
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    device_out = os.environ.get("OUT")
+    if device_out:
+        (Path(device_out) / f"{suite}.json").write_text(text)
+    return path
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -261,4 +447,11 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)), flush=True)
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs where both are positive numbers, else None."""
+    if not ours or not theirs or ours <= 0 or theirs <= 0:
+        return None
+    return ours / theirs

@@ -1,7 +1,7 @@
 """Serving throughput and latency of ``sj.Engine`` on Llama-3-8B shapes, against HF transformers.
 
-    PYTHONPATH=. python3 benchmarks/serving.py           # on the H200 (several minutes)
-    PYTHONPATH=. python3 benchmarks/serving.py --tiny    # a tiny config on any backend (smoke)
+    python -m benchmarks serving           # on the H200 (several minutes)
+    python -m benchmarks serving --tiny    # a tiny config on any backend, seconds
 
 Workload: ``--requests`` (512) requests with random bf16 weights, greedy, EOS ignored (random
 weights would stop at random places), lengths drawn once from a seeded ShareGPT-like
@@ -11,7 +11,7 @@ distribution: lognormal fits to the shape of the ShareGPT V3 conversations vLLM'
     prompt tokens ~ round(lognormal(mu=ln 128, sigma=1.0)), clipped to [4, 1024]  (mean ~210)
     output tokens ~ round(lognormal(mu=ln 128, sigma=0.9)), clipped to [4, 512]   (mean ~190)
 
-Clients: closed loop at each concurrency C of ``--concurrency`` (1..128): C requests are kept
+Clients: closed loop at each concurrency C (1, 64, 128): C requests are kept
 in flight, a new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have
 finished (C=1 over all 512 would take most of an hour). One engine (128 slots, 16-token pages,
 max_model_len 2048, every shape compiled by ``warmup`` first) serves all levels; its decode
@@ -25,27 +25,29 @@ torch and JAX never share GPU memory) with ``generate`` over static batches of `
 (64) requests: prompts left-padded to the batch's longest, every row generating the batch's
 longest output. Its throughput counts only the tokens each request asked for, so padding and
 rows kept running past their own end are the cost of static batching they are.
-Results: one JSON line (and $OUT/serving.json) and a table. ``--tiny`` runs fp32 on the CPU.
+``--tiny`` runs fp32 on the CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import emit, print_table
-from benchmarks.shapes import LLAMA3_8B, TINY, hf_llama_kwargs
+from benchmarks.common import (
+    LLAMA3_8B,
+    TINY_LLAMA,
+    Report,
+    hf_llama_kwargs,
+    peer_in_subprocess,
+    random_params,
+    ratio,
+    torch_available,
+)
 from spark_jax.config import ModelConfig
 
 
@@ -55,7 +57,7 @@ class Plan:
 
     config: ModelConfig
     requests: int = 512
-    concurrency: tuple[int, ...] = (1, 8, 32, 64, 128)
+    concurrency: tuple[int, ...] = (1, 64, 128)
     prompt_median: int = 128
     prompt_sigma: float = 1.0
     prompt_range: tuple[int, int] = (4, 1024)
@@ -88,9 +90,9 @@ class Plan:
 
 FULL = Plan(LLAMA3_8B)
 SMALL = Plan(
-    dataclasses.replace(TINY, max_position_embeddings=512),
-    requests=48,
-    concurrency=(1, 4, 16),
+    dataclasses.replace(TINY_LLAMA, max_position_embeddings=512),
+    requests=24,
+    concurrency=(1, 8),
     prompt_median=16,
     prompt_range=(2, 96),
     output_median=12,
@@ -102,7 +104,7 @@ SMALL = Plan(
     min_chunk=16,
     min_decode_pages=8,
     hf_batch=8,
-    hf_requests=16,
+    hf_requests=8,
     dtype="float32",  # the CPU backend has no bf16 x bf16 -> f32 batched dot
 )
 
@@ -135,21 +137,15 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def build_engine(plan: Plan) -> tuple[Any, dict[str, float]]:
-    import jax
-
+    """``sj.Engine`` over a random model, every shape compiled by ``warmup``."""
     import spark_jax as sj
-    from spark_jax.models import decoder
-    from spark_jax.serving.engine import Engine
 
     start = time.perf_counter()
-    params = decoder.init_params(plan.config, jax.random.key(0), plan.dtype)
-    model = sj.Model(plan.config, params)
-    engine = Engine(model, **plan.engine_kwargs())
+    model = sj.Model(plan.config, random_params(plan.config, plan.dtype))
+    engine = sj.Engine(model, **plan.engine_kwargs())
     built = time.perf_counter()
     engine.warmup()
-    timings = {"init_s": built - start, "warmup_s": time.perf_counter() - built}
-    timings["compiled_shapes"] = len(engine.width_ladder) + len(engine.prefill_shapes())
-    return engine, timings
+    return engine, {"init_s": built - start, "warmup_s": time.perf_counter() - built}
 
 
 def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
@@ -184,7 +180,6 @@ def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: i
         "output_tok_s": tokens / wall,
         "ttft_s": percentiles(ttft),
         "tpot_s": percentiles(tpot),
-        "preemptions": engine.num_preemptions,
     }
 
 
@@ -192,8 +187,9 @@ def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: i
 # The HF peer (its own process).
 
 
-def run_peer(plan: Plan) -> dict[str, Any]:
+def peer(tiny: bool, arg: str = "") -> dict[str, Any]:
     """HF ``generate`` over static batches: left padding, every row to the batch's longest."""
+    plan = SMALL if tiny else FULL
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -256,94 +252,41 @@ def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None
         torch.cuda.synchronize()
 
 
-def peer_in_subprocess(tiny: bool, timeout_s: float) -> dict[str, Any]:
-    path = "/tmp/spark_jax_serving_peer.json"
-    command = [sys.executable, __file__, "--peer-only", "--peer-json", path]
-    command += ["--tiny"] if tiny else []
-    try:
-        proc = subprocess.run(command, timeout=timeout_s, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        return {"error": f"peer timed out after {timeout_s:.0f} s"}
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-1500:]}
-    with open(path) as f:
-        return json.load(f)
-
-
-# ---------------------------------------------------------------------------------------------
-# Main.
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
-    parser.add_argument("--requests", type=int, default=0, help="override the plan's 512")
-    parser.add_argument("--concurrency", default="", help="comma list, e.g. 1,8,64")
-    parser.add_argument("--no-peer", action="store_true", help="skip HF transformers")
-    parser.add_argument("--peer-timeout-s", type=float, default=420.0)
-    parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--peer-json", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    plan = SMALL if args.tiny else FULL
-    if args.requests:
-        plan = dataclasses.replace(plan, requests=args.requests)
-    if args.concurrency:
-        plan = dataclasses.replace(
-            plan, concurrency=tuple(int(c) for c in args.concurrency.split(","))
-        )
-    if args.peer_only:
-        with open(args.peer_json, "w") as f:
-            json.dump(run_peer(plan), f)
-        return
-    results: dict[str, Any] = {"benchmark": "serving", "tiny": args.tiny}
-    if not args.no_peer:  # first: the child must have the GPU to itself
-        results["hf"] = peer_in_subprocess(args.tiny, args.peer_timeout_s)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", "/tmp/spark_jax_compile_cache")
-    results["device"] = str(jax.devices()[0].device_kind)
-    engine, results["engine"] = build_engine(plan)
+def run(tiny: bool, peer: bool = True) -> Report:
+    plan = SMALL if tiny else FULL
+    report = Report()
+    if not peer:
+        hf: dict[str, Any] = {"error": "left out (--no-peer)"}
+    elif not torch_available():
+        hf = {"error": "torch/transformers not installed"}
+    else:
+        hf = peer_in_subprocess("serving", tiny, timeout_s=1800)
+    engine, timings = build_engine(plan)
+    report.details |= timings
     requests = workload(plan)
-    results["workload"] = {
-        "prompt_mean": statistics.mean(len(p) for p, _ in requests),
-        "output_mean": statistics.mean(n for _, n in requests),
-    }
-    results["levels"] = []
+    hf_tok_s = hf.get("output_tok_s")
+    if hf_tok_s:
+        report.peers["hf_static_batches_tok_s"] = hf_tok_s
+    else:
+        report.notes.append(f"HF peer: {hf.get('error', '')[-300:]}")
+    table = [["C", "tok/s", "x HF", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]]
     for c in plan.concurrency:
-        count = min(plan.requests, max(32, 4 * c))
-        results["levels"].append(run_level(engine, requests[:count], c))
-        print(f"concurrency {c}: done", flush=True)
-    hf = results.get("hf", {}).get("output_tok_s")
-    for level in results["levels"]:
-        level["x_hf"] = level["output_tok_s"] / hf if hf else None
-    emit(results, "serving")
-    print_table(*summary(results))
-
-
-def summary(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["C", "req", "tok/s", "x HF", "TTFT p50 ms", "p99", "TPOT p50 ms", "p99"]
-    rows = []
-    for r in results["levels"]:
-        ms = lambda d, k: None if d[k] is None else 1e3 * d[k]  # noqa: E731
-        rows.append(
+        level = run_level(engine, requests[: min(plan.requests, max(32, 4 * c))], c)
+        report.details[f"c{c}"] = level
+        report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
+        report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
+        report.ratios[f"c{c}_over_hf"] = ratio(level["output_tok_s"], hf_tok_s)
+        table.append(
             [
-                r["concurrency"],
-                r["requests"],
-                r["output_tok_s"],
-                r["x_hf"],
-                ms(r["ttft_s"], "p50"),
-                ms(r["ttft_s"], "p99"),
-                ms(r["tpot_s"], "p50"),
-                ms(r["tpot_s"], "p99"),
+                c,
+                level["output_tok_s"],
+                report.ratios[f"c{c}_over_hf"],
+                level["ttft_s"]["p50"] * 1e3,
+                level["ttft_s"]["p99"] * 1e3,
+                level["tpot_s"]["p50"] * 1e3,
+                level["tpot_s"]["p99"] * 1e3,
             ]
         )
-    hf = results.get("hf", {})
-    rows.append(
-        [f"HF bs{hf.get('batch')}", hf.get("requests"), hf.get("output_tok_s")] + [None] * 5
-    )
-    return headers, rows
-
-
-if __name__ == "__main__":
-    main()
+    report.details["hf"] = hf
+    report.table = table
+    return report

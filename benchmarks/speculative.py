@@ -1,7 +1,7 @@
 """Speculative decoding speed at bs=1 on Llama-3-8B shapes: an oracle drafter and a noisy one.
 
-    PYTHONPATH=. python3 benchmarks/speculative.py            # on the H200, ~3 minutes
-    PYTHONPATH=. python3 benchmarks/speculative.py --tiny     # a tiny fp32 config, any backend
+    python -m benchmarks speculative            # on the H200, ~3 minutes
+    python -m benchmarks speculative --tiny     # a tiny fp32 config, any backend
 
 Random bf16 weights (``decoder.init_params``), one sequence. The baseline is
 ``engine.generate`` (greedy); its output is the target's own continuation, which the oracle
@@ -17,12 +17,10 @@ on the device (no host work), so ``oracle_step_ms - verify_ms`` is the host loop
 If bf16 rounding makes a verify step's argmax differ from the decode step's (the rows of a
 K+1-token matmul round differently), the oracle replays the speculative output instead; the
 number of tokens where the two greedy outputs differ is reported (``greedy_mismatches``).
-Results: one JSON line on stdout (and $OUT/speculative.json) and a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,13 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import chain_seconds, emit, print_table
-from benchmarks.shapes import LLAMA3_8B, TINY
-from spark_jax.generation.generate import GenerationResult, generate
-from spark_jax.generation.speculative import Draft, generate_speculative
-from spark_jax.model import Model
-from spark_jax.models import decoder
-from spark_jax.ops.sampling import SamplingParams
+from benchmarks.common import Report, chain_seconds, llama, random_params
+from spark_jax import Draft, GenerationResult, Model, SamplingParams, generate, generate_speculative
 
 
 class ReplayDrafter:
@@ -102,20 +95,20 @@ def bare_step_ms(model: Model, context: int, width: int) -> float:
     return 1e3 * seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke run)")
-    parser.add_argument("--num-drafts", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--corrupt", type=float, default=0.5, help="share of drafts made wrong")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def run(tiny: bool, peer: bool = True) -> Report:
+    """The bare decode and verify steps are this suite's peer: always measured."""
+    from types import SimpleNamespace
 
-    config = TINY if args.tiny else LLAMA3_8B
-    # The CPU backend has no bf16 batched dot: the tiny run is fp32.
-    dtype = jnp.float32 if args.tiny else jnp.bfloat16
-    model = Model(config, decoder.init_params(config, jax.random.PRNGKey(0), dtype))
+    args = SimpleNamespace(
+        num_drafts=4,
+        prompt_len=32 if tiny else 512,
+        new_tokens=16 if tiny else 256,
+        corrupt=0.5,
+        repeats=2 if tiny else 3,
+        tiny=tiny,
+    )
+    config, dtype = llama(tiny)
+    model = Model(config, random_params(config, dtype))
     k = args.num_drafts
     prompt = np.random.RandomState(1).randint(0, config.vocab_size, args.prompt_len).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -190,40 +183,47 @@ def main() -> None:
             "output_matches_oracle": noisy.output_tokens == oracle.output_tokens,
         },
     }
-    emit(results, "speculative")
-    print_table(
+    report = Report(details=results)
+    report.figures = {
+        "oracle_tok_s": oracle_tok_s,
+        "corrupted_tok_s": noisy_tok_s,
+        "generate_tok_s": base_tok_s,
+    }
+    report.peers = {"decode_step_ms": decode_ms, "verify_step_ms": verify_ms}
+    report.ratios = {
+        "oracle_over_generate": oracle_tok_s / base_tok_s,
+        "corrupted_over_generate": noisy_tok_s / base_tok_s,
+        "corrupted_over_expected": (noisy_tok_s / base_tok_s)
+        / results["corrupted"]["expected_speedup"],
+    }
+    report.table = [
         ["run", "tok/s", "speedup", "acceptance", "tokens/step", "ms/step"],
+        ["generate", base_tok_s, 1.0, None, 1.0, base_step_ms],
         [
-            ["generate", base_tok_s, 1.0, None, 1.0, base_step_ms],
-            [
-                f"oracle K={k}",
-                oracle_tok_s,
-                oracle_tok_s / base_tok_s,
-                oracle.spec_stats["acceptance_rate"],
-                oracle.spec_stats["tokens_per_step"],
-                oracle_step_ms,
-            ],
-            [
-                f"{args.corrupt:.0%} corrupted",
-                noisy_tok_s,
-                noisy_tok_s / base_tok_s,
-                noisy.spec_stats["acceptance_rate"],
-                noisy.spec_stats["tokens_per_step"],
-                step_ms(noisy),
-            ],
-            [
-                "expected",
-                None,
-                results["corrupted"]["expected_speedup"],
-                (expected_tokens - 1) / k,
-                expected_tokens,
-                None,
-            ],
-            ["bare decode step", None, None, None, None, decode_ms],
-            [f"bare verify step (T={k + 1})", None, None, None, None, verify_ms],
+            f"oracle K={k}",
+            oracle_tok_s,
+            oracle_tok_s / base_tok_s,
+            oracle.spec_stats["acceptance_rate"],
+            oracle.spec_stats["tokens_per_step"],
+            oracle_step_ms,
         ],
-    )
-
-
-if __name__ == "__main__":
-    main()
+        [
+            f"{args.corrupt:.0%} corrupted",
+            noisy_tok_s,
+            noisy_tok_s / base_tok_s,
+            noisy.spec_stats["acceptance_rate"],
+            noisy.spec_stats["tokens_per_step"],
+            step_ms(noisy),
+        ],
+        [
+            "expected",
+            None,
+            results["corrupted"]["expected_speedup"],
+            (expected_tokens - 1) / k,
+            expected_tokens,
+            None,
+        ],
+        ["bare decode step", None, None, None, None, decode_ms],
+        [f"bare verify step (T={k + 1})", None, None, None, None, verify_ms],
+    ]
+    return report

@@ -1,9 +1,9 @@
 """Startup of a serving engine on Llama-3-8B shapes: load + compile of every shape + first token.
 
-    PYTHONPATH=. python3 benchmarks/startup.py           # on the H200 (~2 minutes, 16 GB on disk)
-    PYTHONPATH=. python3 benchmarks/startup.py --tiny    # a tiny config on any backend (smoke)
+    python -m benchmarks startup           # on the H200 (~2 minutes, 16 GB on disk)
+    python -m benchmarks startup --tiny    # a tiny config on any backend
 
-Issue 7 item 4: from nothing in memory to the first token, every step shape the engine can
+From nothing in memory to the first token, every step shape the engine can
 run compiled on the way (``Engine.warmup``), within 60 s. The run first writes random bf16
 weights as a converted model directory (orbax params + config.json, what
 ``conversion.hf_to_orbax`` writes), then times, in this order and in one process with no
@@ -16,13 +16,12 @@ persistent compilation cache (a cold start):
 - ``warmup_s``: ``Engine.warmup`` (every decode width and prefill shape, the sampler),
 - ``first_token_s``: one 128-token prompt from ``add_request`` to its first token.
 
-The engine is the serving benchmark's (``benchmarks/serving.py``: 128 slots, 16-token pages,
-max_model_len 2048, chunks 256-1024). Results: one JSON line (and $OUT/startup.json), a table.
+The engine is the serving suite's (128 slots, 16-token pages, max_model_len 2048, chunks
+256-1024). The peer is ``read_s``, the floor of the load; the target is 60 s in all.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
@@ -33,20 +32,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks.common import add_flash_prefill_flag, emit, print_table
+from benchmarks.common import Report, hf_llama_kwargs, random_params
 from benchmarks.serving import FULL, SMALL, Plan
-from benchmarks.shapes import hf_llama_kwargs
 from spark_jax.checkpoint import PARAMS_DIR, save_params
-from spark_jax.ops import attention
 
 TARGET_S = 60.0
 
 
 def write_model(plan: Plan, path: Path) -> int:
     """A converted model directory of random weights; returns its bytes on disk."""
-    from spark_jax.models import decoder
-
-    params = decoder.init_params(plan.config, jax.random.key(0), plan.dtype)
+    params = random_params(plan.config, plan.dtype)
     save_params(path / PARAMS_DIR, params)
     del params
     config = hf_llama_kwargs(plan.config, model_type="llama", torch_dtype=plan.dtype)
@@ -69,7 +64,6 @@ def read_files(path: Path) -> float:
 def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
     """Times load, engine creation, warm-up and the first token, in that order."""
     import spark_jax as sj
-    from spark_jax.serving.engine import Engine
 
     times: dict[str, Any] = {}
     start = time.perf_counter()
@@ -78,14 +72,12 @@ def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
     times["load_s"] = time.perf_counter() - start
 
     mark = time.perf_counter()
-    engine = Engine(model, **plan.engine_kwargs())
+    engine = sj.Engine(model, **plan.engine_kwargs())
     times["engine_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
     engine.warmup()
     times["warmup_s"] = time.perf_counter() - mark
-    times["decode_widths"] = list(engine.width_ladder)
-    times["prefill_shapes"] = [list(s) for s in engine.prefill_shapes()]
 
     mark = time.perf_counter()
     prompt = np.random.default_rng(0).integers(0, plan.config.vocab_size, 128).tolist()
@@ -98,16 +90,10 @@ def cold_start(plan: Plan, path: Path) -> dict[str, Any]:
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
-    add_flash_prefill_flag(parser)
-    args = parser.parse_args()
-    attention.FLASH_PREFILL_BY_DEFAULT = args.flash_prefill
-    plan = SMALL if args.tiny else FULL
-    results: dict[str, Any] = {"benchmark": "startup", "tiny": args.tiny, "target_s": TARGET_S}
-    results["flash_prefill"] = args.flash_prefill
-    results["device"] = str(jax.devices()[0].device_kind)
+def run(tiny: bool, peer: bool = True) -> Report:
+    """The plain read of the checkpoint is this suite's peer (the load's floor): always run."""
+    plan = SMALL if tiny else FULL
+    results: dict[str, Any] = {"target_s": TARGET_S}
     root = Path(tempfile.mkdtemp(prefix="spark_jax_startup_"))
     try:
         mark = time.perf_counter()
@@ -117,12 +103,13 @@ def main() -> None:
         results |= cold_start(plan, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    results["load_vs_read"] = results["load_s"] / results["read_s"]
-    results["met"] = results["total_s"] <= TARGET_S
-    emit(results, "startup")
+    report = Report(details=results)
+    report.figures = {k: results[k] for k in ("total_s", "load_s", "warmup_s", "first_token_s")}
+    report.peers = {"read_s": results["read_s"], "target_s": TARGET_S}
+    report.ratios = {
+        "read_over_load": results["read_s"] / results["load_s"],
+        "target_over_total": TARGET_S / results["total_s"],
+    }
     keys = ["read_s", "load_s", "engine_s", "warmup_s", "first_token_s", "total_s"]
-    print_table(["stage", "seconds"], [[k, results[k]] for k in keys])
-
-
-if __name__ == "__main__":
-    main()
+    report.table = [["stage", "seconds"], *[[k, results[k]] for k in keys]]
+    return report

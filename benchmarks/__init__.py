@@ -1,0 +1,1 @@
+"""The benchmark suites of spark_jax: ``python -m benchmarks <suite> [--tiny]`` (see __main__)."""

@@ -1,0 +1,112 @@
+"""Runs one benchmark suite: ``python -m benchmarks <suite> [--tiny] [--out FILE] [--against DIR]``.
+
+Suites: decode, prefill, attention, serving, nllb, lora, speculative, startup. Each measures
+its figures and its peer in the same run, then prints one JSON line (suite, device, date,
+figures, peers, ratios, notes) and a table; the line is also written to ``--out`` (default
+``benchmarks/results/<suite>-<time>.json``) and to ``$OUT/<suite>.json`` when $OUT is set.
+
+``--tiny`` runs tiny random shapes on any backend in seconds (peers that need a GPU are
+skipped with a note). ``--against DIR`` runs the suite twice in child processes, first with
+the checkout DIR's ``spark_jax`` first on sys.path, then with this tree's, peers left out,
+and prints both side by side with the ratio new / old of every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUITES = ("decode", "prefill", "attention", "serving", "nllb", "lora", "speculative", "startup")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("suite", choices=SUITES)
+    parser.add_argument("--tiny", action="store_true", help="tiny random shapes, any backend")
+    parser.add_argument("--out", default=None, help="where to write the JSON line")
+    parser.add_argument("--against", default=None, help="an older checkout to run side by side")
+    parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
+    parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
+    parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
+    parser.add_argument("--peer-arg", default="", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def run_child(suite: str, tiny: bool, tree: Path, out: Path) -> dict:
+    """The suite in a child process with ``tree``'s spark_jax, peers left out."""
+    command = [sys.executable, "-m", "benchmarks", suite, "--tree", str(tree), "--no-peer"]
+    command += ["--out", str(out)] + (["--tiny"] if tiny else [])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{suite} against {tree} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def against(args: argparse.Namespace) -> None:
+    """Old tree then new, each in its own process (each takes the GPU alone)."""
+    from benchmarks.common import print_table, write_json
+
+    old_tree = Path(args.against).resolve()
+    if not (old_tree / "spark_jax").is_dir():
+        raise SystemExit(f"{old_tree} holds no spark_jax package")
+    with tempfile.TemporaryDirectory() as scratch:
+        old = run_child(args.suite, args.tiny, old_tree, Path(scratch) / "old.json")
+        new = run_child(args.suite, args.tiny, REPO, Path(scratch) / "new.json")
+    ratios = {
+        name: new["figures"][name] / value
+        for name, value in old["figures"].items()
+        if isinstance(value, int | float) and value and name in new["figures"]
+    }
+    line = {
+        "suite": args.suite,
+        "against": str(old_tree),
+        "date": new["date"],
+        "device": new["device"],
+        "old": old,
+        "new": new,
+        "ratio_new_over_old": ratios,
+    }
+    write_json(line, f"{args.suite}-against", args.out)
+    print(json.dumps(line, sort_keys=True, default=str), flush=True)
+    print(f"old: {old['tree']} ({old['commit']}); new: {new['tree']} ({new['commit']})")
+    print_table(
+        ["figure", "old", "new", "new/old"],
+        [[n, old["figures"][n], new["figures"].get(n), ratios.get(n)] for n in old["figures"]],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.against:
+        against(args)
+        return
+    if args.tree:  # before anything imports spark_jax: the tree under test comes first
+        sys.path.insert(0, str(Path(args.tree).resolve()))
+    suite = importlib.import_module(f"benchmarks.{args.suite}")
+    if args.peer_json:
+        Path(args.peer_json).write_text(json.dumps(suite.peer(args.tiny, args.peer_arg)))
+        return
+    from benchmarks.common import print_table, result_line, write_json
+
+    start = time.perf_counter()
+    report = suite.run(args.tiny, peer=not args.no_peer)
+    line = result_line(args.suite, args.tiny, report, time.perf_counter() - start)
+    write_json(line, args.suite, args.out)
+    print(json.dumps(line, sort_keys=True, default=str), flush=True)
+    if report.table:
+        print_table(report.table[0], report.table[1:])
+    for note in report.notes:
+        print(f"note: {note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Each cheap benchmark suite runs on tiny shapes and prints one well-formed JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = {"suite", "device", "date", "figures", "peers", "ratios", "notes", "tiny"}
+
+
+def run_suite(suite: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{suite}.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("OUT", None)
+    command = [sys.executable, "-m", "benchmarks", suite, "--tiny", "--out", str(out), *extra]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"')]
+    assert len(lines) == 1, proc.stdout
+    line = json.loads(lines[0])
+    assert line == json.loads(out.read_text())
+    assert KEYS <= line.keys() and line["suite"] == suite and line["tiny"] is True
+    assert line["figures"] and all(v > 0 for v in line["figures"].values())
+    return line
+
+
+def test_decode(tmp_path: Path) -> None:
+    line = run_suite("decode", tmp_path, "--no-peer")
+    assert {"bs1_tok_s", "bs4_tok_s"} <= line["figures"].keys()
+    assert line["peers"]["bs1_floor_tok_s"] > 0
+
+
+def test_attention(tmp_path: Path) -> None:
+    line = run_suite("attention", tmp_path)
+    assert "decode_tiny_ours_paged_tb_s" in line["figures"]
+    assert not [n for n in line["notes"] if "disagree" in n]
+
+
+@pytest.mark.slow
+def test_serving(tmp_path: Path) -> None:
+    line = run_suite("serving", tmp_path, "--no-peer")
+    assert {"c1_tok_s", "c8_tok_s"} <= line["figures"].keys()
+
+
+@pytest.mark.slow
+def test_nllb(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    line = run_suite("nllb", tmp_path)
+    assert {"greedy_sent_s", "beam_sent_s"} <= line["figures"].keys()
+    assert line["ratios"]["greedy_over_hf"] > 0
+    assert line["details"]["greedy_agreement_with_hf"]["exact"] > 0
