@@ -1,8 +1,9 @@
-"""The loaded-model handle and the small protocol the engine drives.
+"""The loaded-model handle.
 
 ``load(path)`` turns a converted checkpoint directory into a ``Model``: config, params,
-tokenizer and the family's ``Runner``. Generation (``spark_jax.generation``) imports no model
-file: it only calls the ``Runner`` methods below, which both families implement.
+tokenizer and the family's runner. Generation (``spark_jax.generation``) imports no model
+file: it only calls the runner protocols of ``spark_jax.protocol``, which both families
+implement.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,23 +21,6 @@ import numpy as np
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.models import family
-
-
-class Runner(Protocol):
-    """What a model family gives the engine: a cache of slots, prefill and a decode step."""
-
-    eos_token_ids: tuple[int, ...]
-
-    def init_state(self, num_slots: int, max_len: int, max_prompt_len: int) -> Any:
-        """An empty cache with ``num_slots`` rows of ``max_len`` decoder positions."""
-
-    def prefill(
-        self, state: Any, slots: Sequence[int], prompts: Sequence[Sequence[int]], requests: Any
-    ) -> tuple[jax.Array, Any]:
-        """Starts one sequence per slot; returns the logits [len(slots), V] of its next token."""
-
-    def decode(self, state: Any, tokens: jax.Array, active: jax.Array) -> tuple[jax.Array, Any]:
-        """One token for every row of the cache; returns logits [num_slots, V]."""
 
 
 class SlotPool:
@@ -118,7 +102,7 @@ class Model:
 
     @property
     def lora_pool(self) -> Any:
-        return getattr(self.runner, "lora_pool", None)
+        return self.runner.lora_pool
 
     def enable_lora(self, max_adapters: int = 8, max_rank: int = 16) -> None:
         """Creates the adapter pool (its size is fixed: steps compile once for it).
@@ -163,10 +147,7 @@ class Model:
         """Sets the params every later step reads: the runner's form of ``self.params`` for its
         pool (``Runner.lora_params``: new arrays for the adapted kernels, every other leaf
         shared). Nothing of the previous tree is changed or deleted."""
-        lora_params = getattr(self.runner, "lora_params", None)
-        if lora_params is None:
-            return
-        params = lora_params(self.params)
+        params = self.runner.lora_params(self.params)
         self.params = params
         self.runner.params = params
 

@@ -583,6 +583,8 @@ class NllbRunner:
     """
 
     is_encoder_decoder = True
+    # Adapters enter a step as the pool's arrays, with or without adapter rows: one program.
+    adapter_rows_change_the_program = False
 
     def __init__(
         self,
@@ -625,7 +627,7 @@ class NllbRunner:
 
     def target_language_id(self, request: Any) -> int:
         """The forced first target token of a request: its ``tgt_lang``, else the default."""
-        code = getattr(request, "tgt_lang", None) or self.default_tgt_lang
+        code = (request.tgt_lang if request is not None else None) or self.default_tgt_lang
         if code is None:
             raise ValueError(
                 "no target language: set tgt_lang on the request (e.g. 'fra_Latn') or give "
@@ -642,7 +644,7 @@ class NllbRunner:
                 f"the source has {len(prompt)} tokens but this model's positions allow at most "
                 f"{self.max_source_len} (max_position_embeddings - 2); split the text."
             )
-        src_lang = getattr(request, "src_lang", None)
+        src_lang = None if request is None else request.src_lang
         if src_lang is not None and prompt[0] != self.language_id(src_lang):
             raise ValueError(
                 f"the source does not start with the {src_lang!r} token; NLLB sources are "
