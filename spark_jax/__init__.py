@@ -26,6 +26,7 @@ from spark_jax.generation.speculative import (
     generate_speculative,
 )
 from spark_jax.model import Model, load
+from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.sampling import SamplingParams
 from spark_jax.serving.engine import Engine, RequestOutput
 
@@ -39,6 +40,7 @@ __all__ = [
     "generate_beam",
     "generate_speculative",
     "GenerationResult",
+    "KernelOptions",
     "LayerSkipDrafter",
     "Model",
     "ModelConfig",
