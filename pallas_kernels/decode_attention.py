@@ -15,10 +15,8 @@ real rows cover decode (T=1) and speculative verify (T = drafts + 1) with GQA up
 Each row carries its own visible-key limit (the row's length, capped by causality at the
 token's position + 1), so causal verify and ragged lengths are one mask.
 
-Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's CPU interpreter
-(``InterpretGPUParams``). Two things differ there, both layout-only, in ``_transposed_keys``
-and ``_with_layout``: jax 0.10.2's interpreter neither takes a transposed wgmma operand nor
-knows ``layout_cast``, so it materialises K^T in shared memory and skips register layouts.
+Interpret mode (``interpret=True``) runs the same kernel in Mosaic GPU's CPU interpreter; its
+differences are layout-only (``pallas_kernels/_mosaic.py``).
 
 Axes: B batch, T query tokens, S key slots, N query heads, K kv heads, G = N / K, H head dim,
 C key chunks, L keys per chunk, R query rows per kv head (padded to 64), P rows written.
@@ -36,10 +34,20 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from spark_jax.ops.attention import AttentionMask, reference_attention
+from pallas_kernels._mosaic import (
+    MASKED,
+    interpret_params,
+    iota,
+    reference_attention,
+    round_up,
+    shared_kernel,
+    smem_transforms,
+    transposed_keys,
+    visible_keys,
+    with_layout,
+)
 
 ROWS = 64  # the wgmma M tile: query rows per program
-_MASKED = -1e30  # finite, so a row with no visible key in a chunk gives no NaN
 
 
 def decode_attention_reference(
@@ -51,7 +59,7 @@ def decode_attention_reference(
     scale: float | None = None,
 ) -> jax.Array:
     """The jnp reference: ``reference_attention`` with the kernel's mask convention."""
-    return reference_attention(q, k, v, _mask(q, key_lengths, query_positions), scale=scale)
+    return reference_attention(q, k, v, _visible(q, k, key_lengths, query_positions), scale)
 
 
 def decode_attention_applies(
@@ -95,13 +103,13 @@ def decode_attention(
     if not decode_attention_applies(q, k, chunk):
         raise ValueError(f"decode_attention does not apply to q {q.shape}, k {k.shape}, {chunk=}")
     scale = h**-0.5 if scale is None else float(scale)
-    q_rows, limit = _query_rows(q, kv_heads, key_lengths, query_positions)
+    q_rows, limit = query_rows(q, kv_heads, key_lengths, query_positions)
     run = _decode_kernel(b, s, kv_heads, h, chunk, q_rows.shape[2], q.dtype, scale, interpret)
     partials = run(key_lengths.astype(jnp.int32), limit, q_rows, k, v)
-    return _attention_output(q, partials, key_lengths, chunk)
+    return attention_output(q, partials, key_lengths, chunk)
 
 
-def _query_rows(
+def query_rows(
     q: jax.Array, kv_heads: int, key_lengths: jax.Array, query_positions: jax.Array | None
 ) -> tuple[jax.Array, jax.Array]:
     """Queries per kv head as rows r = t * G + g, and each row's visible-key limit.
@@ -111,7 +119,7 @@ def _query_rows(
     """
     b, t, n, h = q.shape
     g = n // kv_heads
-    pad = _round_up(t * g, 8) - t * g
+    pad = round_up(t * g, 8) - t * g
     rows = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, h)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
     limit = jnp.broadcast_to(key_lengths.astype(jnp.int32)[:, None], (b, t))
@@ -121,7 +129,7 @@ def _query_rows(
     return rows, jnp.pad(limit, ((0, 0), (0, 0), (0, pad)))
 
 
-@functools.cache  # one jitted kernel per configuration: see _shared
+@functools.cache  # one jitted kernel per configuration: see shared_kernel
 def _decode_kernel(
     b: int,
     s: int,
@@ -148,7 +156,7 @@ def _decode_kernel(
         sum_gmem,  # f32[B, K, C, P]
         out_gmem,  # f32[B, K, C, P, H]
         # Scratch (SMEM).
-        smem,  # _ChunkScratch
+        smem,  # ChunkScratch
         barriers,  # 4 TMA barriers: q, limits, k, v
     ):
         row, head, c = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("c")
@@ -169,29 +177,29 @@ def _decode_kernel(
                 sum_gmem.at[row, head, c],
                 out_gmem.at[row, head, c],
             )
-            _attend_chunk(smem, barriers.at[3], slots, start, scale, interpret)
+            attend_chunk(smem, barriers.at[3], slots, start, scale, interpret)
 
-    return _shared(
+    return shared_kernel(
         plgpu.kernel(
             body,
-            out_type=_partial_types(b, kv_heads, num_chunks, rows_written, h),
+            out_type=partial_types(b, kv_heads, num_chunks, rows_written, h),
             scratch_types=[
-                _ChunkScratch.types(dtype, h, chunk, interpret),
+                ChunkScratch.types(dtype, h, chunk, interpret),
                 plgpu.Barrier(num_barriers=4),
             ],
             grid=(b, kv_heads, num_chunks),
             grid_names=("b", "k", "c"),
-            interpret=_interpret_params() if interpret else None,
+            interpret=interpret_params() if interpret else None,
         )
     )
 
 
 # -------------------------------------------------------------------------------------------
-# One chunk's attention and the merge of the chunks: shared with the paged kernel
+# One chunk's attention and the merge of the chunks: public, for the paged kernel
 # (paged_attention.py), which differs only in where a chunk's keys come from.
 
 
-class _ChunkScratch(NamedTuple):
+class ChunkScratch(NamedTuple):
     """A program's shared memory (as ``plgpu.SMEM`` types from ``types``, as refs in the body)."""
 
     q: Any  # [R, H]
@@ -204,8 +212,8 @@ class _ChunkScratch(NamedTuple):
     kt: Any  # [H, L] K^T, interpret mode only (else None)
 
     @classmethod
-    def types(cls, dtype: jnp.dtype, h: int, chunk: int, interpret: bool) -> _ChunkScratch:
-        tiled = _smem_transforms(dtype)
+    def types(cls, dtype: jnp.dtype, h: int, chunk: int, interpret: bool) -> ChunkScratch:
+        tiled = smem_transforms(dtype)
         return cls(
             q=plgpu.SMEM((ROWS, h), dtype, transforms=tiled),
             k=plgpu.SMEM((chunk, h), dtype, transforms=tiled),
@@ -218,7 +226,7 @@ class _ChunkScratch(NamedTuple):
         )
 
 
-def _partial_types(
+def partial_types(
     b: int, kv_heads: int, num_chunks: int, rows_written: int, h: int
 ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The kernel's outputs: per-chunk row max f32[B,K,C,P], row sum, and P @ V f32[B,K,C,P,H]."""
@@ -226,7 +234,7 @@ def _partial_types(
     return stats, stats, jax.ShapeDtypeStruct((*stats.shape, h), jnp.float32)
 
 
-def _attend_chunk(smem: _ChunkScratch, values_ready, slots, start, scale: float, interpret: bool):
+def attend_chunk(smem: ChunkScratch, values_ready, slots, start, scale: float, interpret: bool):
     """A visible chunk whose queries, limits and keys are in ``smem``: scores on the tensor
     cores, the masked softmax, P @ V once ``values_ready``, and the partial result copied to
     ``slots`` (this program's row max f32[P], row sum f32[P] and P @ V f32[P, H] in GMEM)."""
@@ -234,14 +242,14 @@ def _attend_chunk(smem: _ChunkScratch, values_ready, slots, start, scale: float,
     mine = pl.ds(0, slots[0].shape[0])
 
     def qk(acc):
-        plgpu.wgmma(acc, smem.q, _transposed_keys(smem.k, smem.kt, interpret))
+        plgpu.wgmma(acc, smem.q, transposed_keys(smem.k, smem.kt, interpret))
         return acc[...]
 
     scores = pl.run_scoped(qk, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
-    key_ids = _iota((ROWS, chunk), 1, interpret) + start
-    limit = _with_layout(smem.limit[...], plgpu.Layout.WGMMA.reduce(1), interpret)
+    key_ids = iota((ROWS, chunk), 1, interpret) + start
+    limit = with_layout(smem.limit[...], plgpu.Layout.WGMMA.reduce(1), interpret)
     visible = key_ids < lax.broadcast_in_dim(limit, (ROWS, chunk), [0])
-    scores = jnp.where(visible, scores, _MASKED)
+    scores = jnp.where(visible, scores, MASKED)
     row_max = scores.max(axis=1)
     probs = jnp.exp(scores - lax.broadcast_in_dim(row_max, scores.shape, [0]))
     smem.p[...] = probs.astype(smem.p.dtype)
@@ -263,7 +271,7 @@ def _attend_chunk(smem: _ChunkScratch, values_ready, slots, start, scale: float,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _attention_output(
+def attention_output(
     q: jax.Array, partials: tuple[jax.Array, ...], key_lengths: jax.Array, chunk: int
 ) -> jax.Array:
     """The kernel's per-chunk partials merged and laid out as q [B,T,N,H], in q's dtype."""
@@ -291,62 +299,12 @@ def _merge_chunks(
     return merged / jnp.maximum(total, 1e-30)[..., None]
 
 
-# -------------------------------------------------------------------------------------------
-# Helpers: masks, shared-memory layouts, and the interpreter's differences.
-
-
-def _mask(q: jax.Array, key_lengths: jax.Array, query_positions: jax.Array | None) -> AttentionMask:
-    """The AttentionMask the kernel implements (no positions: every query at its row's end)."""
+def _visible(
+    q: jax.Array, k: jax.Array, key_lengths: jax.Array, query_positions: jax.Array | None
+) -> jax.Array:
+    """bool[B,T,S], the mask the kernel implements (no positions: every query sees its row's
+    whole length)."""
     if query_positions is None:
-        last = key_lengths.astype(jnp.int32)[:, None] - 1
-        query_positions = jnp.broadcast_to(last, q.shape[:2])
-        return AttentionMask(query_positions, key_lengths, causal=False)
-    return AttentionMask(query_positions, key_lengths, causal=True)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def _smem_transforms(dtype: jnp.dtype) -> tuple:
-    """128-byte swizzled tiles, the layout wgmma reads from shared memory."""
-    columns = 128 // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128))
-
-
-def _transposed_keys(k_smem, kt_smem, interpret: bool):
-    """K^T [H, L] as wgmma's B operand: a transposed view on the GPU, a copy in the
-    interpreter (whose wgmma takes no transposed operand)."""
-    if not interpret:
-        return k_smem.transpose((1, 0))
-    kt_smem[...] = k_smem[...].T
-    return kt_smem
-
-
-def _iota(shape: tuple[int, int], dimension: int, interpret: bool) -> jax.Array:
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dimension)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
-
-
-def _with_layout(x: jax.Array, layout, interpret: bool) -> jax.Array:
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _shared(kernel: Callable) -> Callable:
-    """``kernel`` jitted, and (through the factories' cache) one object per configuration.
-
-    A model calls the same kernel once per layer; JAX lowers a jitted function once per
-    module and calls it from every site, where a bare kernel call embeds its Mosaic GPU
-    payload at each site, for XLA to compile again each time (32 layers x every prefill
-    shape made an 8B engine's warm-up 4x longer; lowered for CUDA, 8 flash calls: 1.9 MB of
-    module text unshared, 0.24 MB shared).
-    """
-    return jax.jit(kernel)
-
-
-@functools.cache
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
+        anywhere = jnp.zeros(q.shape[:2], jnp.int32)
+        return visible_keys(anywhere, key_lengths, k.shape[1], causal=False)
+    return visible_keys(query_positions, key_lengths, k.shape[1], causal=True)

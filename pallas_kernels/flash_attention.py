@@ -59,23 +59,24 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.decode_attention import (
-    _interpret_params,
-    _iota,
-    _shared,
-    _smem_transforms,
-    _transposed_keys,
-    _with_layout,
+from pallas_kernels._mosaic import (
+    chunked_table,
+    interpret_params,
+    iota,
+    reference_attention,
+    shared_kernel,
+    smem_transforms,
+    transposed_keys,
+    visible_keys,
+    with_layout,
 )
-from pallas_kernels.paged_attention import _chunked_table
-from spark_jax.ops.attention import AttentionMask, reference_attention
 
 _LOG2E = math.log2(math.e)
 _NO_MAX = -1e30  # the running max before any key: finite, so a row with no key stays at zero
 _SMEM_LIMIT = 227 * 1024  # a Hopper thread block's dynamic shared memory
 # Registers per thread of the producer and of each of two consumer warpgroups (64K per SM:
 # 128 x 24 + 256 x 240 fits; the consumers hold the accumulator, scores and P). 240 measured
-# 2-7% faster than 232 (runs d3-d4 of BENCHMARKS.md).
+# 2-7% faster than 232 on the H200.
 _REGISTERS = (24, 240)
 
 
@@ -91,20 +92,25 @@ def flash_attention_reference(
     """The jnp reference: ``reference_attention`` with the kernel's mask convention, rows
     past the query length or without a visible key set to zero."""
     query_lengths, key_lengths = _lengths(q, k, query_lengths, key_lengths)
-    mask = attention_mask(q.shape[1], query_lengths, key_lengths, causal)
-    out = reference_attention(q, k, v, mask, scale=scale)
-    live = mask.dense(k.shape[1]).any(axis=-1) & (jnp.arange(q.shape[1]) < query_lengths[:, None])
+    visible = attention_mask(q.shape[1], k.shape[1], query_lengths, key_lengths, causal)
+    out = reference_attention(q, k, v, visible, scale)
+    live = visible.any(axis=-1) & (jnp.arange(q.shape[1]) < query_lengths[:, None])
     return jnp.where(live[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def attention_mask(
-    num_queries: int, query_lengths: jax.Array, key_lengths: jax.Array, causal: bool
-) -> AttentionMask:
-    """The AttentionMask of the kernel's convention: query t of row b at position
-    ``key_lengths[b] - query_lengths[b] + t``."""
+    num_queries: int,
+    num_keys: int,
+    query_lengths: jax.Array,
+    key_lengths: jax.Array,
+    causal: bool,
+) -> jax.Array:
+    """bool[B, T, S], the mask of the kernel's convention: query t of row b at position
+    ``key_lengths[b] - query_lengths[b] + t`` sees the keys below ``key_lengths[b]`` (and, if
+    ``causal``, at or before its position). Rows past the query length are not masked here."""
     offset = key_lengths.astype(jnp.int32) - query_lengths.astype(jnp.int32)
     positions = offset[:, None] + jnp.arange(num_queries, dtype=jnp.int32)[None]
-    return AttentionMask(positions, key_lengths.astype(jnp.int32), causal=causal)
+    return visible_keys(positions, key_lengths.astype(jnp.int32), num_keys, causal)
 
 
 def flash_attention_applies(
@@ -137,10 +143,10 @@ def default_block_k(h: int, s: int) -> int:
 def prefill_tuning(q: jax.Array, k: jax.Array, interpret: bool) -> dict:
     """The fastest configuration measured on the H200 for a prefill of these shapes: one
     persistent program per SM, each with two consumer warpgroups of 64 rows taking turns on
-    the tensor cores over 128-key blocks (run d8 of BENCHMARKS.md: 602 TFLOP/s at S=8192 and
-    471 at 4 x 2048, against 570 / 434 one program per tile and 481 / 405 with the defaults,
-    run d6) where T and S are multiples of 128 at head dim 128; the defaults elsewhere and in
-    the interpreter (where warpgroups are threads: slow, same results)."""
+    the tensor cores over 128-key blocks (602 TFLOP/s at S=8192 and 471 at 4 x 2048, against
+    570 / 434 one program per tile and 481 / 405 with the defaults) where T and S are
+    multiples of 128 at head dim 128; the defaults elsewhere and in the interpreter (where
+    warpgroups are threads: slow, same results)."""
     _, t, _, h = q.shape
     if interpret or h != 128 or t % 128 or k.shape[1] % 128:
         return {}
@@ -205,7 +211,7 @@ def flash_attention(
             raise ValueError(
                 f"pages of {page_size} keys must be a multiple of 8 that divides {block_k=}"
             )
-        tables = (_chunked_table(block_table, num_pages, block_k // page_size),)
+        tables = (chunked_table(block_table, num_pages, block_k // page_size),)
         dense_k = jax.ShapeDtypeStruct((b, tables[0].shape[1] * page_size, kv_heads, h), k.dtype)
     s, kv_heads = dense_k.shape[1], dense_k.shape[2]
     block_k = default_block_k(h, s) if block_k is None else block_k
@@ -280,7 +286,7 @@ def flash_decode_attention(
     pipelined, and writes the normalised output: no partials, no merge. It fills the GPU when
     B x K is a few times the SM count (B=64, K=8: 512 programs); a small batch leaves SMs idle,
     where the split-K kernel (``decode_attention``) is the one to use. Measured on the H200 at
-    B=64, S=4096, GQA 32/8 (run e7 of BENCHMARKS.md): 4.17 TB/s of K/V with 64-key blocks, 3.73
+    B=64, S=4096, GQA 32/8: 4.17 TB/s of K/V with 64-key blocks, 3.73
     with 128, cuDNN 4.59 and torch 4.47 in the same run.
     """
     b, _, n, h = q.shape
@@ -292,8 +298,8 @@ def flash_decode_attention(
     rows = jnp.pad(rows, ((0, 0), (0, 64 - group), (0, 0), (0, 0)))
     query_lengths = jnp.full((b,), group, jnp.int32)
     if block_k is None:
-        # Over dense rows 64-key blocks read 1-12% faster than 128 in 7 of 8 runs (c5-e7 of
-        # BENCHMARKS.md); the engine's paged walk was measured with 128 (its pages tile it).
+        # Over dense rows 64-key blocks read 1-12% faster than 128 in 7 of 8 H200 runs; the
+        # engine's paged walk was measured with 128 (its pages tile it).
         block_k = 64 if block_table is None else 128
     out = flash_attention(
         rows,
@@ -323,7 +329,7 @@ def _lengths(
     return query_lengths.astype(jnp.int32), key_lengths.astype(jnp.int32)
 
 
-@functools.cache  # one jitted kernel per configuration: see _shared
+@functools.cache  # one jitted kernel per configuration: see shared_kernel
 def _flash_kernel(
     b: int,
     t: int,
@@ -352,7 +358,7 @@ def _flash_kernel(
     num_tiles = n * num_programs_q * b  # a tile: one program's query blocks of one head and row
     grid_size = num_tiles if programs is None else min(programs, num_tiles)
     buffers = 1 if programs is None else 2  # persistent: the next tile's queries load early
-    tiled = _smem_transforms(dtype)
+    tiled = smem_transforms(dtype)
     log2_scale = scale * _LOG2E  # the softmax in base 2
 
     def body(*refs):
@@ -453,10 +459,10 @@ def _flash_kernel(
             def visible(j):
                 """bool[Q, L]: key j * L + c lies below the row's length and, if causal, at or
                 before the position of query q_start + r."""
-                keys = _iota((block_q, block_k), 1, interpret) + j * block_k
+                keys = iota((block_q, block_k), 1, interpret) + j * block_k
                 seen = keys < k_length
                 if causal:
-                    rows = _iota((block_q, block_k), 0, interpret)
+                    rows = iota((block_q, block_k), 0, interpret)
                     seen &= keys <= rows + (offset + block.q_start)
                 return seen
 
@@ -464,7 +470,7 @@ def _flash_kernel(
                 """Waits for K block j, starts S = Q K^T into ``scores_ref`` (asynchronous)."""
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_barriers.at[slot])
-                keys_t = _transposed_keys(k_smem.at[slot], block.kt, interpret)
+                keys_t = transposed_keys(k_smem.at[slot], block.kt, interpret)
                 plgpu.wgmma(scores_ref, block.q, keys_t)
 
             def scores_of(j):
@@ -522,7 +528,7 @@ def _flash_kernel(
                     return _add_pv(acc, probs, values, block.p, interpret), scores_of(j + 1)
 
                 next_slot = slot_of(j + 1)
-                keys_t = _transposed_keys(k_smem.at[next_slot], block.kt, interpret)
+                keys_t = transposed_keys(k_smem.at[next_slot], block.kt, interpret)
 
                 def gemms(refs):
                     acc_ref, scores_ref = refs
@@ -553,13 +559,13 @@ def _flash_kernel(
 
             def no_scores():
                 zeros = jnp.zeros((block_q, block_k), jnp.float32)
-                return _with_layout(zeros, plgpu.Layout.WGMMA, interpret)
+                return with_layout(zeros, plgpu.Layout.WGMMA, interpret)
 
             reduced = plgpu.Layout.WGMMA.reduce(1)
             carry = (
-                _with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
-                _with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
-                _with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
+                with_layout(jnp.zeros((block_q, h), jnp.float32), plgpu.Layout.WGMMA, interpret),
+                with_layout(jnp.full((block_q,), _NO_MAX, jnp.float32), reduced, interpret),
+                with_layout(jnp.zeros((block_q,), jnp.float32), reduced, interpret),
             )
             walk_step = step
             if turns is not None:  # block 0's scores before the loop, each step issues the next
@@ -578,7 +584,7 @@ def _flash_kernel(
             # A row with no visible key has acc 0 and sum 0: 0 * 1e30 = 0, never NaN.
             inverse = 1.0 / jnp.maximum(row_sum, 1e-30)
             out = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
-            live = _iota((block_q, h), 0, interpret) < block.live_rows
+            live = iota((block_q, h), 0, interpret) < block.live_rows
             block.q[...] = jnp.where(live, out, 0.0).astype(dtype)
             plgpu.commit_smem()
             rows = pl.ds(block.q_start, block_q)
@@ -715,7 +721,7 @@ def _flash_kernel(
             program_steps = steps_of(tile)
             if buffers == 1:
                 # Only for a block that walks keys: loaded and awaited for every block, the
-                # one-tile ping-pong kernel measured 30% slower (run d7 of BENCHMARKS.md; the
+                # one-tile ping-pong kernel measured 30% slower (on the H200; the
                 # cause, somewhere in the compiled code, not traced).
                 @pl.when(block.num_steps > 0)
                 def _():
@@ -787,7 +793,7 @@ def _flash_kernel(
         threads = {"num_threads": consumers + 1, "thread_name": "wg"}
     if pingpong:  # both consumers arrive at each hand-over
         scratch += [plgpu.Barrier(num_arrivals=2)]
-    return _shared(
+    return shared_kernel(
         plgpu.kernel(
             body,
             out_type=jax.ShapeDtypeStruct((b, t, n, h), dtype),
@@ -795,7 +801,7 @@ def _flash_kernel(
             grid=(n, num_programs_q, b) if programs is None else (grid_size,),
             grid_names=("n", "q", "b") if programs is None else ("t",),
             compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
-            interpret=_interpret_params() if interpret else None,
+            interpret=interpret_params() if interpret else None,
             **threads,
         )
     )

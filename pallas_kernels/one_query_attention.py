@@ -39,8 +39,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from spark_jax.ops.attention import AttentionMask, reference_attention
-from spark_jax.ops.kv_cache import read_through
+from pallas_kernels._mosaic import gather_rows, reference_attention, visible_keys
 
 _MASKED = -1e30  # finite: a block with no visible key leaves the running max untouched
 
@@ -75,19 +74,20 @@ def one_query_attention_reference(
     ``reference_attention`` over the cache rows the table names (the new key appended)."""
     b = k_cache.shape[0]
     if row_table is not None:
-        keys, values = read_through(k_cache, row_table), read_through(v_cache, row_table)
+        keys, values = gather_rows(k_cache, row_table), gather_rows(v_cache, row_table)
     else:
         keys, values = k_cache, v_cache
+    anywhere = jnp.zeros((b, 1), jnp.int32)
     if k_new is None:
-        mask = AttentionMask(jnp.zeros((b, 1), jnp.int32), lengths, causal=False)
-        return reference_attention(q, keys, values, mask, scale=scale), None, None
+        visible = visible_keys(anywhere, lengths, keys.shape[1], causal=False)
+        return reference_attention(q, keys, values, visible, scale), None, None
     # The new key sits right after the row's keys, in one spare position past a full row.
     rows = jnp.arange(b)
     spare = lambda x: jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
     keys = spare(keys).at[rows, lengths].set(k_new[:, 0])
     values = spare(values).at[rows, lengths].set(v_new[:, 0])
-    mask = AttentionMask(jnp.zeros((b, 1), jnp.int32), lengths + 1, causal=False)
-    out = reference_attention(q, keys, values, mask, scale=scale)
+    visible = visible_keys(anywhere, lengths + 1, keys.shape[1], causal=False)
+    out = reference_attention(q, keys, values, visible, scale)
     k_cache = k_cache.at[rows, lengths].set(k_new[:, 0], mode="drop")
     v_cache = v_cache.at[rows, lengths].set(v_new[:, 0], mode="drop")
     return out, k_cache, v_cache
@@ -121,7 +121,7 @@ def one_query_attention(
     this one (``k_new``/``v_new`` are then not given; the new key is appended).
     Tunings: a program takes the most heads up to ``heads_per_program`` that divide N, and
     walks blocks of up to ``block_keys`` keys that divide S. The defaults were the fastest for
-    NLLB-600M's greedy step on the H200 (BENCHMARKS.md, run b5 of the sixth session).
+    NLLB-600M's greedy step on the H200.
     """
     b, _, n, h = q.shape
     if packed:

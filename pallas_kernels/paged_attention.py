@@ -8,7 +8,7 @@ starts at or past ``key_lengths[b]``. A visible chunk reads its block-table entr
 copies each page's K and V for its kv head into consecutive slices of shared memory with
 TMA, so the chunk lands exactly as the dense kernel's contiguous copy would; from there the
 math, the per-chunk partial results and their log-sum-exp merge are the dense kernel's own
-(``_attend_chunk``, ``_attention_output`` in decode_attention.py). No ``[B, S, K, H]`` gather
+(``attend_chunk``, ``attention_output`` in decode_attention.py). No ``[B, S, K, H]`` gather
 of the rows is ever written.
 
 Barriers: a barrier completes when its expected number of arrivals has arrived and their
@@ -37,19 +37,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._mosaic import chunked_table, gather_pages, interpret_params, shared_kernel
 from pallas_kernels.decode_attention import (
-    _attend_chunk,
-    _attention_output,
-    _ChunkScratch,
-    _interpret_params,
-    _partial_types,
-    _query_rows,
-    _round_up,
-    _shared,
+    ChunkScratch,
+    attend_chunk,
+    attention_output,
     decode_attention_applies,
     decode_attention_reference,
+    partial_types,
+    query_rows,
 )
-from spark_jax.ops.kv_cache import PagedLayer
 
 
 def paged_attention_reference(
@@ -61,10 +58,9 @@ def paged_attention_reference(
     query_positions: jax.Array | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """The jnp reference: each row's pages gathered (``PagedLayer.read``), then
+    """The jnp reference: each row's pages gathered (``gather_pages``), then
     ``decode_attention_reference``; a row of length 0 gives zeros, as in the kernel."""
-    k = PagedLayer(k_pages, block_table).read(None)
-    v = PagedLayer(v_pages, block_table).read(None)
+    k, v = gather_pages(k_pages, block_table), gather_pages(v_pages, block_table)
     out = decode_attention_reference(q, k, v, key_lengths, query_positions, scale)
     return jnp.where((key_lengths > 0)[:, None, None, None], out, 0).astype(q.dtype)
 
@@ -110,31 +106,16 @@ def paged_attention(
             f"paged_attention does not apply to q {q.shape}, pages {k_pages.shape}, {chunk=}"
         )
     scale = h**-0.5 if scale is None else float(scale)
-    table = _chunked_table(block_table, num_pages, chunk // page_size)
-    q_rows, limit = _query_rows(q, kv_heads, key_lengths, query_positions)
+    table = chunked_table(block_table, num_pages, chunk // page_size)
+    q_rows, limit = query_rows(q, kv_heads, key_lengths, query_positions)
     run = _paged_kernel(
         b, page_size, kv_heads, h, chunk, table.shape[1], q_rows.shape[2], q.dtype, scale, interpret
     )
     partials = run(key_lengths.astype(jnp.int32), table, limit, q_rows, k_pages, v_pages)
-    return _attention_output(q, partials, key_lengths, chunk)
+    return attention_output(q, partials, key_lengths, chunk)
 
 
-def _chunked_table(block_table: jax.Array, num_pages: int, pages_per_chunk: int) -> jax.Array:
-    """int32[B, W] -> int32[B, C * pages_per_chunk]: whole chunks, every entry a page.
-
-    A program copies whole chunks, so entries a row does not own (and the padding) become the
-    row's first page: in range, the row's own, and past its length, so masked. (TMA would
-    zero-fill an out-of-range page on the GPU, but the interpreter has no out-of-range reads.)
-    """
-    padding = _round_up(block_table.shape[1], pages_per_chunk) - block_table.shape[1]
-    table = jnp.pad(
-        block_table.astype(jnp.int32), ((0, 0), (0, padding)), constant_values=num_pages
-    )
-    first = jnp.where(table[:, :1] < num_pages, table[:, :1], 0)
-    return jnp.where(table < num_pages, table, first)
-
-
-@functools.cache  # one jitted kernel per configuration: see _shared
+@functools.cache  # one jitted kernel per configuration: see shared_kernel
 def _paged_kernel(
     b: int,
     page_size: int,
@@ -164,7 +145,7 @@ def _paged_kernel(
         sum_gmem,  # f32[B, K, C, P]
         out_gmem,  # f32[B, K, C, P, H]
         # Scratch (SMEM).
-        smem,  # _ChunkScratch
+        smem,  # ChunkScratch
         keys_ready,  # TMA barrier of q, the limits and the chunk's K pages
         values_ready,  # TMA barrier of the chunk's V pages
     ):
@@ -187,19 +168,19 @@ def _paged_kernel(
                 sum_gmem.at[row, head, c],
                 out_gmem.at[row, head, c],
             )
-            _attend_chunk(smem, values_ready, slots, start, scale, interpret)
+            attend_chunk(smem, values_ready, slots, start, scale, interpret)
 
-    return _shared(
+    return shared_kernel(
         plgpu.kernel(
             body,
-            out_type=_partial_types(b, kv_heads, num_chunks, rows_written, h),
+            out_type=partial_types(b, kv_heads, num_chunks, rows_written, h),
             scratch_types=[
-                _ChunkScratch.types(dtype, h, chunk, interpret),
+                ChunkScratch.types(dtype, h, chunk, interpret),
                 plgpu.Barrier(num_arrivals=2 + pages_per_chunk),
                 plgpu.Barrier(num_arrivals=pages_per_chunk),
             ],
             grid=(b, kv_heads, num_chunks),
             grid_names=("b", "k", "c"),
-            interpret=_interpret_params() if interpret else None,
+            interpret=interpret_params() if interpret else None,
         )
     )

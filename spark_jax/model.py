@@ -21,6 +21,7 @@ import numpy as np
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.models import family
+from spark_jax.ops.options import KernelOptions
 
 
 class SlotPool:
@@ -59,12 +60,16 @@ class Model:
     generation_config: dict[str, Any] = field(default_factory=dict)
     runner: Any = None
     max_num_seqs: int = 256  # sequences generated at once, over all concurrent calls
+    # The kernels its steps run (static in every jitted step: a model with other options
+    # compiles its own programs beside this one's).
+    options: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         self.slot_pool = SlotPool(self.max_num_seqs)
         self._lora_lock = threading.Lock()  # one adapter change at a time (each builds on the last)
         if self.runner is None:
-            self.runner = family(self.config).Runner(self.config, self.params, self.tokenizer)
+            runner = family(self.config).Runner
+            self.runner = runner(self.config, self.params, self.tokenizer, options=self.options)
         self.runner.eos_token_ids = self.eos_token_ids
 
     @property
@@ -165,11 +170,18 @@ class Model:
         """
         self.adapter_slot(name)  # unknown names (or no pool) are refused clearly
         params = self.lora_pool.merged_params(self.params, name)
-        return Model(self.config, params, self.tokenizer, self.generation_config)
+        return Model(
+            self.config, params, self.tokenizer, self.generation_config, options=self.options
+        )
 
 
-def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
-    """Loads a directory written by ``python -m conversion.hf_to_orbax``."""
+def load(
+    path: str | Path,
+    dtype: str | jnp.dtype | None = None,
+    options: KernelOptions | None = None,
+) -> Model:
+    """Loads a directory written by ``python -m conversion.hf_to_orbax``; its steps run the
+    kernels ``options`` choose (default ``KernelOptions()``: the dispatch picks)."""
     from spark_jax.checkpoint import PARAMS_DIR, restore_params
     from spark_jax.tokenizer import Tokenizer
 
@@ -186,7 +198,8 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
-    return Model(config, params, tokenizer, generation_config)
+    options = KernelOptions() if options is None else options
+    return Model(config, params, tokenizer, generation_config, options=options)
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from spark_jax.ops import attention as att
+from spark_jax.ops import cudnn
+from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.reference import AttentionMask, reference_attention, split_kv_attention
 
 
 def _inputs(seed, b, t, n, kv_heads, h, s, dtype=jnp.float32):
@@ -18,7 +21,7 @@ def _inputs(seed, b, t, n, kv_heads, h, s, dtype=jnp.float32):
     )
     lengths = jnp.asarray(rng.integers(t, s + 1, b), jnp.int32)
     positions = lengths[:, None] - t + jnp.arange(t)[None]
-    return q, k, v, att.AttentionMask(positions, lengths)
+    return q, k, v, AttentionMask(positions, lengths)
 
 
 @pytest.mark.parametrize(
@@ -27,8 +30,8 @@ def _inputs(seed, b, t, n, kv_heads, h, s, dtype=jnp.float32):
 )
 def test_split_kv_attention_matches_the_reference(b, t, n, kv_heads, window, chunk):
     q, k, v, mask = _inputs(b * 10 + t, b, t, n, kv_heads, 16, 256)
-    ref = att.reference_attention(q, k, v, mask, window)
-    out = att.split_kv_attention(q, k, v, mask, window, chunk=chunk)
+    ref = reference_attention(q, k, v, mask, window)
+    out = split_kv_attention(q, k, v, mask, window, chunk=chunk)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
@@ -36,10 +39,10 @@ def test_dispatch_falls_back_to_the_reference_off_gpu():
     q, k, v, mask = _inputs(0, 2, 1, 8, 2, 16, 64, jnp.bfloat16)
     if jax.default_backend() == "gpu":
         pytest.skip("the fallback is what runs off the GPU")
-    assert not att.cudnn_decode_applies(q, k, None)
+    assert not cudnn.cudnn_decode_applies(q, k, None)
     out = att.attention(q, k, v, mask)
     np.testing.assert_array_equal(
-        np.asarray(out, np.float32), np.asarray(att.reference_attention(q, k, v, mask), np.float32)
+        np.asarray(out, np.float32), np.asarray(reference_attention(q, k, v, mask), np.float32)
     )
 
 
@@ -47,8 +50,8 @@ def test_dispatch_falls_back_to_the_reference_off_gpu():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 def test_cudnn_decode_attention_matches_the_reference_on_gpu():
     q, k, v, mask = _inputs(1, 8, 1, 32, 8, 128, 1024, jnp.bfloat16)
-    assert att.cudnn_decode_applies(q, k, None)
-    ref = att.reference_attention(
+    assert cudnn.cudnn_decode_applies(q, k, None)
+    ref = reference_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask
     )
     out = att.attention(q, k, v, mask).astype(jnp.float32)
@@ -76,14 +79,14 @@ def _paged_inputs(seed, b, n, kv_heads, h, page_size, num_pages, width, dtype=jn
     )
     q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
-    return q, k, v, att.AttentionMask(lengths[:, None] - 1, lengths, causal=False)
+    return q, k, v, AttentionMask(lengths[:, None] - 1, lengths, causal=False)
 
 
 def test_cudnn_page_table_addresses_each_rows_keys():
     """The padded page table reads, within each row's length, exactly the keys the gather does
     (cuDNN itself runs only on the GPU: the test below)."""
     q, k, _, mask = _paged_inputs(3, b=4, n=4, kv_heads=2, h=8, page_size=4, num_pages=32, width=6)
-    table = att.cudnn_page_table(k.block_table, k.pages.shape[0])
+    table = cudnn.cudnn_page_table(k.block_table, k.pages.shape[0])
     assert table.shape == (4, 1, 8, 1)
     assert int(table.max()) < k.pages.shape[0]
     via_table = k.pages[table[:, 0, :, 0]].reshape(4, -1, 2, 8)
@@ -96,9 +99,9 @@ def test_cache_attention_on_pages_falls_back_to_the_gather_off_gpu():
     q, k, v, mask = _paged_inputs(4, b=4, n=4, kv_heads=2, h=8, page_size=4, num_pages=32, width=6)
     if jax.default_backend() == "gpu":
         pytest.skip("the fallback is what runs off the GPU")
-    assert not att.cudnn_paged_applies(q, k, 4, None)
+    assert not cudnn.cudnn_paged_applies(q, k, 4, None)
     out = att.cache_attention(q, k, v, None, mask)
-    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    ref = reference_attention(q, k.read(None), v.read(None), mask)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
@@ -110,65 +113,78 @@ def test_cudnn_paged_decode_attention_matches_the_gather_on_gpu(page_size):
         5, b=8, n=32, kv_heads=8, h=128, page_size=page_size, num_pages=8 * 32, width=16,
         dtype=jnp.bfloat16,
     )  # fmt: skip
-    assert att.cudnn_paged_applies(q, k, 8, None)
+    assert cudnn.cudnn_paged_applies(q, k, 8, None)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref = att.reference_attention(f32(q), f32(k.read(None)), f32(v.read(None)), mask)
+    ref = reference_attention(f32(q), f32(k.read(None)), f32(v.read(None)), mask)
     out = f32(att.cache_attention(q, k, v, None, mask))
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert rel < 1e-2
 
 
 def test_dispatch_runs_the_flash_kernel_for_prefill_where_it_compiles(monkeypatch):
-    """With ``FLASH_PREFILL_BY_DEFAULT`` and where our kernels compile (Hopper, bf16), a
-    prefill (T > 1) goes through the flash kernel and a decode step does not; here the check
-    is patched, the kernel interpreted."""
+    """With ``KernelOptions.flash_prefill`` (the default) and where our kernels compile
+    (Hopper, bf16), a prefill (T > 1) goes through the flash kernel and a decode step does
+    not; ``flash_prefill=False`` keeps the reference. Here the check is patched, the kernel
+    interpreted."""
     if jax.default_backend() == "gpu":
         pytest.skip("on the GPU the real check decides; tests/test_gpu_paths.py covers it")
     calls = []
     flash = att.pallas_prefill_attention
     monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
-    monkeypatch.setattr(att, "FLASH_PREFILL_BY_DEFAULT", True)
     monkeypatch.setattr(
         att, "pallas_prefill_attention", lambda *a, **kw: calls.append(a[0].shape) or flash(*a)
     )
     q, k, v, mask = _inputs(9, 2, 128, 4, 2, 64, 128)  # a fresh prefill: S = T
     positions = jnp.broadcast_to(jnp.arange(128, dtype=jnp.int32), (2, 128))
-    mask = att.AttentionMask(positions, jnp.asarray([77, 128], jnp.int32))  # ragged prompts
+    mask = AttentionMask(positions, jnp.asarray([77, 128], jnp.int32))  # ragged prompts
     out = att.attention(q, k, v, mask)
     assert calls == [q.shape]
-    ref = att.reference_attention(q, k, v, mask)
+    ref = reference_attention(q, k, v, mask)
     real = np.arange(128)[None, :] < np.asarray(mask.key_lengths)[:, None]  # past: zeros
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
-    att.attention(q[:, :1], k, v, att.AttentionMask(mask.query_positions[:, :1], mask.key_lengths))
+    att.attention(q[:, :1], k, v, AttentionMask(mask.query_positions[:, :1], mask.key_lengths))
     assert calls == [q.shape]  # a decode step is not a prefill
+    out = att.attention(q, k, v, mask, options=KernelOptions(flash_prefill=False))
+    assert calls == [q.shape]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
-def test_forced_implementation_overrides_the_dispatch_and_restores_it():
+def test_options_implementation_forces_a_path_for_that_call_only():
     q, k, v, mask = _inputs(6, 2, 1, 8, 2, 16, 64)
-    with att.forced_implementation("xla"):
-        np.testing.assert_array_equal(
-            np.asarray(att.attention(q, k, v, mask)),
-            np.asarray(att.reference_attention(q, k, v, mask)),
-        )
+    np.testing.assert_array_equal(
+        np.asarray(att.attention(q, k, v, mask, options=KernelOptions(implementation="xla"))),
+        np.asarray(reference_attention(q, k, v, mask)),
+    )
     if jax.default_backend() != "gpu":
-        with att.forced_implementation("cudnn"), pytest.raises(ValueError, match="cudnn"):
-            att.attention(q, k, v, mask)  # forced, and cuDNN does not apply off the GPU
-    att.attention(q, k, v, mask)  # the dispatch is back: no error
+        cudnn_options = KernelOptions(implementation="cudnn")
+        with pytest.raises(ValueError, match="cudnn"):
+            att.attention(q, k, v, mask, options=cudnn_options)  # cuDNN: not off the GPU
+    att.attention(q, k, v, mask)  # the default options: the dispatch picks, no error
     with pytest.raises(ValueError, match="unknown implementation"):
-        with att.forced_implementation("triton"):
-            pass
+        KernelOptions(implementation="triton")
+
+
+def test_kernel_options_are_frozen_and_hashable():
+    """A static jit argument: equal options hash equal, and a field cannot be changed."""
+    import dataclasses
+
+    assert hash(KernelOptions()) == hash(KernelOptions())
+    assert KernelOptions(implementation="xla") != KernelOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().flash_prefill = False  # type: ignore[misc]
+    with pytest.raises(ValueError, match="paged_walk_stages"):
+        KernelOptions(paged_walk_stages=1)
 
 
 def test_forced_pallas_attends_over_pages_with_the_paged_kernel():
-    """``cache_attention`` under ``forced_implementation("pallas")`` runs the Pallas paged
+    """``cache_attention`` under ``KernelOptions(implementation="pallas")`` runs the paged
     kernel (interpreted off the GPU) and matches the gather + reference."""
     q, k, v, mask = _paged_inputs(
         7, b=3, n=8, kv_heads=2, h=64, page_size=16, num_pages=24, width=8
     )  # fmt: skip
     assert att.pallas_paged_applies(q, k, None)
-    with att.forced_implementation("pallas"):
-        out = att.cache_attention(q, k, v, None, mask)
-    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    out = att.cache_attention(q, k, v, None, mask, options=KernelOptions(implementation="pallas"))
+    ref = reference_attention(q, k.read(None), v.read(None), mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
@@ -176,7 +192,7 @@ def test_forced_pallas_attends_over_pages_with_the_paged_kernel():
 def test_forced_pallas_walks_the_pages_of_many_rows_with_the_flash_kernel(
     monkeypatch, page_size, width
 ):
-    """Above ``FLASH_DECODE_MIN_PROGRAMS`` the paged step runs the flash walk over the pool
+    """Above ``flash_decode_min_programs`` the paged step runs the flash walk over the pool
     in place (a TMA copy per page into each key block; rows whose pages do not fill the last
     128-key block, table entries past a row's pages): equal to the gather + reference."""
     from pallas_kernels import flash_attention as fa
@@ -189,9 +205,8 @@ def test_forced_pallas_walks_the_pages_of_many_rows_with_the_flash_kernel(
     monkeypatch.setattr(
         fa, "flash_decode_attention", lambda *a, **kw: walked.append(1) or flash(*a, **kw)
     )
-    monkeypatch.setattr(att, "FLASH_DECODE_MIN_PROGRAMS", 4)
-    with att.forced_implementation("pallas"):
-        out = att.cache_attention(q, k, v, None, mask)
+    options = KernelOptions(implementation="pallas", flash_decode_min_programs=4)
+    out = att.cache_attention(q, k, v, None, mask, options=options)
     assert walked == [1]
-    ref = att.reference_attention(q, k.read(None), v.read(None), mask)
+    ref = reference_attention(q, k.read(None), v.read(None), mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)

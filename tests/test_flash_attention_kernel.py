@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
-from spark_jax.ops.attention import PAGED_WALK_TUNING
+from spark_jax.ops.options import KernelOptions
 
 ON_GPU = jax.default_backend() == "gpu"
-PAGED_WALK = PAGED_WALK_TUNING  # the engine's paged walk
+_DEFAULTS = KernelOptions()
+PAGED_WALK = {  # the engine's paged walk
+    "stages": _DEFAULTS.paged_walk_stages,
+    "consumers": _DEFAULTS.paged_walk_consumers,
+}
 
 
 def _inputs(seed, b, t, s, n, kv_heads, h, dtype):
@@ -166,8 +170,8 @@ def test_key_blocks_skip_exactly_the_invisible_blocks(causal):
     lengths = [(0, 0), (0, 100), (1, 1), (50, 50), (100, 300), (256, 256), (256, 320), (200, 30)]
     for q_len, k_len in lengths:
         q_lengths, k_lengths = jnp.asarray([q_len]), jnp.asarray([k_len])
-        mask = fa.attention_mask(t, q_lengths, k_lengths, causal)
-        dense = np.asarray(mask.dense(s)[0]) & (np.arange(t) < q_len)[:, None]
+        mask = fa.attention_mask(t, s, q_lengths, k_lengths, causal)
+        dense = np.asarray(mask[0]) & (np.arange(t) < q_len)[:, None]
         for q_start in range(0, t, block_q):
             full, total = fa._key_blocks(
                 jnp.int32(q_start), q_lengths[0], k_lengths[0], block_q, block_k, causal
@@ -247,19 +251,21 @@ def test_flash_attention_on_gpu_matches_the_reference(
 
 
 def test_the_dispatch_runs_the_flash_kernel_on_the_models_prefill_mask():
-    """``attention(..., implementation="pallas")`` for a chunk appended to a cached prefix
-    (positions ``starts + t``, keys below ``starts + num_new``): the real queries match the
-    reference; padding queries (t >= num_new) are the kernel's zeros."""
+    """``attention`` under ``KernelOptions(implementation="pallas")`` for a chunk appended to
+    a cached prefix (positions ``starts + t``, keys below ``starts + num_new``): the real
+    queries match the reference; padding queries (t >= num_new) are the kernel's zeros."""
     from spark_jax.ops import attention as att
+    from spark_jax.ops.reference import AttentionMask, reference_attention
 
     rng = np.random.default_rng(21)
     b, t, s, n, kv_heads, h = 2, 64, 128, 4, 2, 64
     q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((b, s, kv_heads, h)), jnp.float32) for _ in "kv")
     starts, num_new = jnp.asarray([10, 0]), jnp.asarray([50, 64])
-    mask = att.AttentionMask(starts[:, None] + jnp.arange(t)[None], starts + num_new)
-    out = np.asarray(att.attention(q, k, v, mask, implementation="pallas"))
-    ref = np.asarray(att.reference_attention(q, k, v, mask))
+    mask = AttentionMask(starts[:, None] + jnp.arange(t)[None], starts + num_new)
+    pallas = KernelOptions(implementation="pallas")
+    out = np.asarray(att.attention(q, k, v, mask, options=pallas))
+    ref = np.asarray(reference_attention(q, k, v, mask))
     for row, real in enumerate(np.asarray(num_new)):
         np.testing.assert_allclose(out[row, :real], ref[row, :real], rtol=1e-5, atol=1e-5)
         assert not out[row, real:].any()
@@ -290,23 +296,25 @@ def test_flash_decode_with_a_producer_warpgroup_matches_the_reference():
 
 
 def test_pallas_decode_takes_the_flash_walk_for_many_rows(monkeypatch):
-    """``attention(..., implementation="pallas")`` on a one-token step: the flash walk once
-    rows x kv heads reach ``FLASH_DECODE_MIN_PROGRAMS``, with a causal mask whose query sits
-    before its row's end (the walk then stops at the query); split-K below it."""
+    """``attention`` under ``KernelOptions(implementation="pallas")`` on a one-token step: the
+    flash walk once rows x kv heads reach ``flash_decode_min_programs``, with a causal mask
+    whose query sits before its row's end (the walk then stops at the query); split-K below
+    it."""
     from spark_jax.ops import attention as att
+    from spark_jax.ops.reference import AttentionMask, reference_attention
 
     q, k, v = _inputs(6, 2, 1, 128, 4, 2, 64, jnp.float32)
     lengths, positions = jnp.asarray([128, 70], jnp.int32), jnp.asarray([[100], [69]], jnp.int32)
-    mask = att.AttentionMask(positions, lengths, causal=True)
-    ref = att.reference_attention(q, k, v, mask)
+    mask = AttentionMask(positions, lengths, causal=True)
+    ref = reference_attention(q, k, v, mask)
     walked = []
     flash = fa.flash_decode_attention
     monkeypatch.setattr(
         fa, "flash_decode_attention", lambda *a, **kw: walked.append(1) or flash(*a, **kw)
     )
     for minimum, expected in ((10**6, []), (4, [1])):
-        monkeypatch.setattr(att, "FLASH_DECODE_MIN_PROGRAMS", minimum)
-        out = att.attention(q, k, v, mask, implementation="pallas")
+        options = KernelOptions(implementation="pallas", flash_decode_min_programs=minimum)
+        out = att.attention(q, k, v, mask, options=options)
         assert walked == expected
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
 

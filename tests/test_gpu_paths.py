@@ -2,9 +2,10 @@
 
 The optimized paths are the dispatch's (cuDNN's dense decode attention in ``sj.generate``,
 cuDNN's paged decode attention in ``sj.Engine``) and
-all of our Pallas kernels (``forced_implementation("pallas")``); the plain path forces every
-attention to the jnp reference (``forced_implementation("xla")``, the engine then gathers its
-pages). In bf16 two paths may
+all of our Pallas kernels (``KernelOptions(implementation="pallas")``); the plain path forces
+every attention to the jnp reference (``implementation="xla"``, the engine then gathers its
+pages). Each path is its own ``sj.Model`` over the same params, so each compiles its own
+programs side by side. In bf16 two paths may
 round a near-tie differently, so a sequence may differ only where the reference's top two
 logits are a near-tie at the first differing token; the count of such flips is printed.
 
@@ -12,9 +13,9 @@ A near-tie is a top-2 gap under 1e-2 (the issue's bound). The LM head returns bf
 bf16 paths differ by a fraction of a percent of a logit, so the bound only means something
 for logits below ~1: the final norm's scale is shrunk so the top logits are ~0.66 (at most
 0.95 on these prompts), where bf16 steps by at most 0.0039. An earlier version with top
-logits ~2 (bf16 steps 0.0078-0.0156) failed on the H200 (run i of BENCHMARKS.md): 14 of 20
-sequences differed at gaps of 2e-6 to 0.0189, two of them above 1e-2. This version passed
-there (run j: 14 of 20 differ, every gap below 0.0047), before the Pallas case was added.
+logits ~2 (bf16 steps 0.0078-0.0156) failed on the H200: 14 of 20 sequences differed at gaps
+of 2e-6 to 0.0189, two of them above 1e-2. This version passed there (14 of 20 differ, every
+gap below 0.0047), before the Pallas case was added.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import pytest
 import spark_jax as sj
 from spark_jax.config import ModelConfig, RopeConfig
 from spark_jax.models import decoder
-from spark_jax.ops.attention import forced_implementation
 from spark_jax.serving.engine import Engine
 
 pytestmark = [
@@ -52,11 +52,11 @@ NEW_TOKENS = 32
 NEAR_TIE = 1e-2
 
 
-def _model() -> sj.Model:
+def _model(options: sj.KernelOptions) -> sj.Model:
     params = decoder.init_params(CONFIG, jax.random.key(0), jnp.bfloat16)
     params = jax.tree_util.tree_map(lambda x: x * 10.0, params)  # a non-trivial distribution
     params["final_norm"] = jax.tree_util.tree_map(lambda x: x * 0.35, params["final_norm"])
-    return sj.Model(CONFIG, params)
+    return sj.Model(CONFIG, params, options=options)
 
 
 def _greedy(model: sj.Model, prompts: list[list[int]]) -> list[list[int]]:
@@ -80,25 +80,20 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
 )
 def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest):
     """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged; our flash
-    kernel for prefill where ``FLASH_PREFILL_BY_DEFAULT``, as in run k). ``"pallas"``: every
+    kernel for prefill, ``KernelOptions.flash_prefill``). ``"pallas"``: every
     attention through our kernels (flash prefill, split-K decode, paged decode, the paged
     kernel's causal rows for an engine's second prefill chunk); its prompts are 33 tokens or
     more, so every prefill bucket is a multiple of the kernels' 64-key blocks."""
-    model = _model()
     rng = np.random.default_rng(0)
     lengths = rng.integers(shortest, 90, 10)
     prompts = [rng.integers(0, CONFIG.vocab_size, int(n)).tolist() for n in lengths]
-    jax.clear_caches()  # the override acts at trace time
-    with forced_implementation(implementation):
-        fast = _greedy(model, prompts)
-    jax.clear_caches()
-    with forced_implementation("xla"):
-        plain = _greedy(model, prompts)
-        gaps = [
-            _gap_at_first_difference(model, prompts[i % len(prompts)], ref, out)
-            for i, (ref, out) in enumerate(zip(plain, fast, strict=True))
-            if ref != out
-        ]
-    jax.clear_caches()
+    fast = _greedy(_model(sj.KernelOptions(implementation=implementation)), prompts)
+    model = _model(sj.KernelOptions(implementation="xla"))
+    plain = _greedy(model, prompts)
+    gaps = [
+        _gap_at_first_difference(model, prompts[i % len(prompts)], ref, out)
+        for i, (ref, out) in enumerate(zip(plain, fast, strict=True))
+        if ref != out
+    ]
     print(f"{implementation}: {len(gaps)} of {len(fast)} sequences differ; top-2 gaps: {gaps}")
     assert all(gap < NEAR_TIE for gap in gaps), gaps

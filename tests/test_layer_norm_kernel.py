@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels import layer_norm as ln
 from spark_jax.ops import layers
+from spark_jax.ops.options import KernelOptions
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -51,4 +52,6 @@ def test_dispatch_keeps_the_reference_off_the_gpu_and_for_fp32():
     np.testing.assert_array_equal(layers.layer_norm(x, scale, bias, 1e-5, jnp.float32), ref)
     module = layers.LayerNorm(1e-5, jnp.float32)
     params = {"params": {"scale": scale, "bias": bias}}
+    np.testing.assert_array_equal(module.apply(params, x), ref)
+    module = layers.LayerNorm(1e-5, jnp.float32, KernelOptions(pallas_layer_norm=False))
     np.testing.assert_array_equal(module.apply(params, x), ref)

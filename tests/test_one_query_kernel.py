@@ -15,6 +15,8 @@ import pytest
 
 from pallas_kernels import one_query_attention as oq
 from spark_jax.ops import attention as att
+from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.reference import AttentionMask
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -104,45 +106,50 @@ def test_applies_only_to_one_query_mha_steps():
 
 def test_dispatch_takes_the_kernel_where_picked_and_nowhere_else():
     q, k, *_ = _inputs(3, 2, 32, 4, 16, jnp.bfloat16)
-    long_cache = jnp.zeros((2, 2 * att.ONE_QUERY_MAX_KEYS, 4, 16), jnp.bfloat16)
-    assert att.one_query_picked(q, k, None, "pallas")
-    assert not att.one_query_picked(q, long_cache, None, "pallas")  # the split kernels' regime
-    assert not att.one_query_picked(q, k, 8, "pallas")  # a sliding window
-    assert not att.one_query_picked(q, k, None, "cudnn")
-    assert not att.one_query_picked(q, k, None, "xla")
+    pallas, cudnn, xla = (KernelOptions(implementation=i) for i in ("pallas", "cudnn", "xla"))
+    long_cache = jnp.zeros((2, 2 * pallas.one_query_max_keys, 4, 16), jnp.bfloat16)
+    assert att.one_query_picked(q, k, None, pallas)
+    assert not att.one_query_picked(q, long_cache, None, pallas)  # the split kernels' regime
+    assert att.one_query_picked(  # unless the options raise the limit
+        q, long_cache, None, KernelOptions(implementation="pallas", one_query_max_keys=512)
+    )
+    assert not att.one_query_picked(q, k, 8, pallas)  # a sliding window
+    assert not att.one_query_picked(q, k, None, cudnn)
+    assert not att.one_query_picked(q, k, None, xla)
     # The default takes it on a GPU for bf16/f16 only; fp32 (and every CPU run) keeps XLA.
     assert att.one_query_picked(q, k, None) == ON_GPU
     q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
     assert not att.one_query_picked(q32, k32, None)
-    with att.forced_implementation("pallas"):
-        assert att.one_query_picked(q, k, None)
-        assert att.one_query_picked(q32, k32, None) == (not ON_GPU)  # interpreted: any float
+    assert att.one_query_picked(q32, k32, None, pallas) == (not ON_GPU)  # interpreted: any float
 
 
 @pytest.mark.parametrize("with_table", [False, True])
 def test_cache_step_attention_is_the_same_step_either_way(with_table):
-    """The fused step (``forced_implementation("pallas")``) against write + XLA attention: the
+    """The fused step (``implementation="pallas"``) against write + XLA attention: the
     same output for every row whose mask shows its new key, the same caches everywhere."""
     b, s, n, h = 4, 32, 4, 16
     q, k_cache, v_cache, k, v, rng = _inputs(4, b, s, n, h, jnp.float32)
     lengths = jnp.asarray([0, 5, 16, 31], jnp.int32)
     positions = lengths[:, None]
-    mask = att.AttentionMask(positions, lengths + 1)
+    mask = AttentionMask(positions, lengths + 1)
     table = None
     if with_table:  # rows 2 and 3 share row 2's history, as two beams of one request do
         table = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s))
         table = table.at[3, :16].set(2)
         lengths = lengths.at[3].set(16)
-        positions, mask = lengths[:, None], att.AttentionMask(lengths[:, None], lengths + 1)
-    step = lambda: att.cache_step_attention(q, k, v, k_cache, v_cache, None, positions, mask, table)
+        positions, mask = lengths[:, None], AttentionMask(lengths[:, None], lengths + 1)
+    step = lambda options: att.cache_step_attention(
+        q, k, v, k_cache, v_cache, None, positions, mask, table, options=options
+    )
     # The same step from a fused projection's output: q, k, v side by side, read in place.
     qkv = jnp.concatenate([q, k, v], axis=2)
-    packed = lambda: att.packed_cache_step_attention(
-        qkv, k_cache, v_cache, None, positions, mask, table
+    packed = lambda options: att.packed_cache_step_attention(
+        qkv, k_cache, v_cache, None, positions, mask, table, options=options
     )
-    plain, plain_packed = jax.jit(step)(), jax.jit(packed)()
-    with att.forced_implementation("pallas"):
-        fused, fused_packed = jax.jit(step)(), jax.jit(packed)()
+    step, packed = jax.jit(step, static_argnums=0), jax.jit(packed, static_argnums=0)
+    xla, pallas = KernelOptions(implementation="xla"), KernelOptions(implementation="pallas")
+    plain, plain_packed = step(xla), packed(xla)
+    fused, fused_packed = step(pallas), packed(pallas)
     for other in (fused, fused_packed, plain_packed):
         assert _relative_error(other[0], plain[0]) <= 1e-5
         for got, want in zip(other[1:], plain[1:], strict=True):
@@ -158,7 +165,6 @@ def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
 
     runner = ours(tiny_hf(decoder_layers=2))
     sources = random_sources(5, 4, max_len=12)
-    step = lambda: jax.jit(nllb.decode.__wrapped__, static_argnames="config")
     source_rows = jnp.asarray([1, 1, 3, 2], jnp.int32)  # rows 0-1 follow row 1, 2-3 swap
     runs = {}
     for name, row_table, forced in [
@@ -169,16 +175,15 @@ def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
     ]:
         state = runner.init_state(4, 16, 16, row_table=row_table)
         logits, state = runner.prefill(state, range(4), sources)
-        with att.forced_implementation(forced):
-            decode = step()
-            outs = []
-            for _ in range(4):
-                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                logits, state = decode(
-                    runner.params, runner.config, tokens, jnp.ones(4, bool), state
-                )
-                outs.append(np.asarray(logits))
-                state = state.gather_rows(source_rows, False)
+        options = KernelOptions(implementation=forced)
+        outs = []
+        for _ in range(4):
+            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, state = nllb.decode(
+                runner.params, runner.config, tokens, jnp.ones(4, bool), state, options=options
+            )
+            outs.append(np.asarray(logits))
+            state = state.gather_rows(source_rows, False)
         runs[name] = np.stack(outs)
     for name in ("table", "table_kernel", "moved_kernel"):
         assert _relative_error(runs[name], runs["moved"]) <= 1e-5, name
@@ -186,14 +191,13 @@ def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
-def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
+def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step():
     """bf16, NLLB-like shapes (16 heads of 64): the default GPU step (one-query kernel, our
     LayerNorm) against the plain one (XLA attention and LayerNorm), rows read through a row
     table and reordered between steps, both fed the same tokens: logits within bf16 rounding,
     the same argmax except near-ties (top-2 gap < 1e-2)."""
     from spark_jax.config import config_from_hf
     from spark_jax.models import nllb
-    from spark_jax.ops import layers
 
     config = config_from_hf(
         dict(
@@ -210,26 +214,23 @@ def test_nllb_bf16_decode_on_the_gpu_matches_the_plain_xla_step(monkeypatch):
         )
     )
     params = nllb.init_params(config, jax.random.key(0), jnp.bfloat16)
-    runner = nllb.NllbRunner(config, params, {"fra_Latn": 500}, "fra_Latn")
     rng = np.random.default_rng(0)
     sources = [[4, *rng.integers(5, 400, n).tolist(), 2] for n in (5, 20, 11, 30)]
     source_rows = jnp.asarray([1, 1, 3, 2], jnp.int32)
     runs, fed = {}, []  # both runs are fed the plain run's picks: a near-tie cannot cascade
-    for name, forced, pallas_norm in [("plain", "xla", False), ("default", None, True)]:
-        monkeypatch.setattr(layers, "PALLAS_LAYER_NORM", pallas_norm)
-        jax.clear_caches()
-        with att.forced_implementation(forced):
-            state = runner.init_state(4, 32, 32, row_table=True)
-            logits, state = runner.prefill(state, range(4), sources)
-            outs = []
-            for step in range(6):
-                if name == "plain":
-                    fed.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-                logits, state = runner.decode(state, fed[step], jnp.ones(4, bool))
-                outs.append(np.asarray(logits, np.float32))
-                state = state.gather_rows(source_rows, False)
+    plain_options = KernelOptions(implementation="xla", pallas_layer_norm=False)
+    for name, options in [("plain", plain_options), ("default", KernelOptions())]:
+        runner = nllb.NllbRunner(config, params, {"fra_Latn": 500}, "fra_Latn", options=options)
+        state = runner.init_state(4, 32, 32, row_table=True)
+        logits, state = runner.prefill(state, range(4), sources)
+        outs = []
+        for step in range(6):
+            if name == "plain":
+                fed.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            logits, state = runner.decode(state, fed[step], jnp.ones(4, bool))
+            outs.append(np.asarray(logits, np.float32))
+            state = state.gather_rows(source_rows, False)
         runs[name] = np.stack(outs)
-    jax.clear_caches()
     plain, default = runs["plain"], runs["default"]
     assert _relative_error(default, plain) <= 1e-2
     top2 = np.sort(plain, axis=-1)[..., -2:]

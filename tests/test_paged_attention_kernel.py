@@ -17,7 +17,8 @@ import pytest
 
 from pallas_kernels import decode_attention as dk
 from pallas_kernels import paged_attention as pk
-from spark_jax.ops import attention as att
+from pallas_kernels._mosaic import chunked_table
+from spark_jax.ops.reference import AttentionMask, reference_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -57,8 +58,8 @@ def _kernel(q, k_pool, v_pool, table, lengths, positions, chunk, causal):
 
 def _dense_reference(q, k, v, lengths, positions, causal):
     """fp32 attention over the dense rows; zeros for a row of length 0 (the kernel's rule)."""
-    mask = att.AttentionMask(positions, lengths, causal=causal)
-    out = att.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    mask = AttentionMask(positions, lengths, causal=causal)
+    out = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
     return jnp.where((lengths > 0)[:, None, None, None], out, 0)
 
 
@@ -128,8 +129,8 @@ def test_paged_kernel_reads_and_writes_only_visible_chunks():
     """The merge selects skipped chunks away, so the raw partials show what ran: a visible
     chunk's slots are finite (no NaN page read), a skipped chunk's unwritten (NaN)."""
     q, _, _, k_pool, v_pool, table, lengths, _ = _skipping_inputs()
-    rows, limit = dk._query_rows(q, 2, lengths, None)
-    table = pk._chunked_table(table, k_pool.shape[0], 4)
+    rows, limit = dk.query_rows(q, 2, lengths, None)
+    table = chunked_table(table, k_pool.shape[0], 4)
     run = pk._paged_kernel(2, 16, 2, 64, 64, 12, rows.shape[2], q.dtype, 0.125, interpret=True)
     partials = run(lengths, table, limit, rows, k_pool, v_pool)
     ran = np.asarray(jnp.arange(3)[None, :] * 64 < lengths[:, None])  # [B, C]

@@ -16,6 +16,8 @@ import pytest
 
 from pallas_kernels import decode_attention as dk
 from spark_jax.ops import attention as att
+from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.reference import AttentionMask, reference_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -56,8 +58,8 @@ def _relative_error(out, ref):
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 def test_decode_attention_matches_the_reference(t, n, kv_heads, lengths, causal, dtype, tolerance):
     q, k, v, lengths, positions = _decode_inputs(7, 2, t, n, kv_heads, 64, 192, dtype, lengths)
-    mask = att.AttentionMask(positions, lengths, causal=causal)
-    ref = att.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    mask = AttentionMask(positions, lengths, causal=causal)
+    ref = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
     out = _kernel(q, k, v, lengths, positions, chunk=64, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape
     assert _relative_error(out, ref) <= tolerance
@@ -65,7 +67,7 @@ def test_decode_attention_matches_the_reference(t, n, kv_heads, lengths, causal,
 
 def test_decode_attention_skips_chunks_past_the_length():
     q, k, v, lengths, positions = _decode_inputs(3, 2, 1, 8, 2, 64, 256, jnp.float32, [70, 10])
-    ref = att.reference_attention(q, k, v, att.AttentionMask(positions, lengths, causal=False))
+    ref = reference_attention(q, k, v, AttentionMask(positions, lengths, causal=False))
     beyond = (jnp.arange(256)[None, :] >= 128)[:, :, None, None]  # chunks 2 and 3 of both rows
     row1_tail = (jnp.arange(256)[None, :] >= 64) & (jnp.arange(2)[:, None] == 1)
     poison = beyond | row1_tail[:, :, None, None]
@@ -78,7 +80,7 @@ def test_decode_attention_skips_chunks_past_the_length():
 @pytest.mark.skipif(ON_GPU, reason="never-written memory is NaN only in the interpreter")
 def test_decode_kernel_leaves_skipped_chunks_unwritten():
     q, k, v, lengths, _ = _decode_inputs(4, 2, 1, 8, 2, 64, 256, jnp.float32, [70, 10])
-    rows, limit = dk._query_rows(q, 2, lengths, None)
+    rows, limit = dk.query_rows(q, 2, lengths, None)
     run = dk._decode_kernel(2, 256, 2, 64, 64, rows.shape[2], q.dtype, 0.125, interpret=True)
     row_max, row_sum, out = run(lengths, limit, rows, k, v)
     ran = np.asarray(jnp.arange(4)[None, :] * 64 < lengths[:, None])  # [B, C]
@@ -101,18 +103,19 @@ def test_decode_attention_declines_what_it_cannot_run():
 
 def test_attention_dispatch_default_and_overrides():
     q, k, v, lengths, positions = _decode_inputs(5, 2, 1, 8, 2, 64, 256, jnp.float32)
-    mask = att.AttentionMask(positions, lengths)
-    ref = att.reference_attention(q, k, v, mask)
+    mask = AttentionMask(positions, lengths)
+    ref = reference_attention(q, k, v, mask)
     if not ON_GPU:  # the default is unchanged off the GPU: the reference, bit for bit
         np.testing.assert_array_equal(np.asarray(att.attention(q, k, v, mask)), np.asarray(ref))
-    xla = att.attention(q, k, v, mask, implementation="xla")
+    xla = att.attention(q, k, v, mask, options=KernelOptions(implementation="xla"))
     np.testing.assert_array_equal(np.asarray(xla), np.asarray(ref))
-    pallas = jax.jit(partial(att.attention, implementation="pallas"))(q, k, v, mask)
+    options = KernelOptions(implementation="pallas")
+    pallas = jax.jit(partial(att.attention, options=options))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(pallas), np.asarray(ref), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="pallas"):
-        att.attention(q, k, v, mask, sliding_window=16, implementation="pallas")
+        att.attention(q, k, v, mask, sliding_window=16, options=options)
     with pytest.raises(ValueError, match="implementation"):
-        att.attention(q, k, v, mask, implementation="triton")
+        KernelOptions(implementation="triton")
 
 
 @pytest.mark.gpu
@@ -120,7 +123,7 @@ def test_attention_dispatch_default_and_overrides():
 @pytest.mark.parametrize("t, causal", [(1, False), (4, True)])
 def test_decode_attention_on_gpu_matches_the_reference(t, causal):
     q, k, v, lengths, positions = _decode_inputs(11, 4, t, 32, 8, 128, 2048, jnp.bfloat16)
-    mask = att.AttentionMask(positions, lengths, causal=causal)
-    ref = att.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    mask = AttentionMask(positions, lengths, causal=causal)
+    ref = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
     out = _kernel(q, k, v, lengths, positions, chunk=256, causal=causal)
     assert _relative_error(out, ref) <= 1e-2

@@ -9,7 +9,8 @@ the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
 
 ``prefill`` writes rows ``slots`` of the cache; ``decode`` and ``verify`` run every row of
-the cache in order, so reading the cache never copies it.
+the cache in order, so reading the cache never copies it. Every step takes ``options``
+(``KernelOptions``, static: one program per value), which the attention calls follow.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import numpy as np
 from spark_jax.config import ModelConfig
 from spark_jax.models.common import bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
-from spark_jax.ops.attention import AttentionMask, attention, cache_attention
+from spark_jax.ops.attention import attention, cache_attention
 from spark_jax.ops.kv_cache import KVCache, write_kv
 from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.ops.lora import LoraTarget, scope
+from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.reference import AttentionMask
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it. Q/K/V
@@ -106,6 +109,7 @@ class SelfAttention(nn.Module):
     config: ModelConfig
     layer_idx: int
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
@@ -127,9 +131,9 @@ class SelfAttention(nn.Module):
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
         if fresh:  # a new sequence sees only this chunk: no read of the (longer) cache rows
-            out = attention(q, k, v, mask, window)
+            out = attention(q, k, v, mask, window, options=self.options)
         else:
-            out = cache_attention(q, k_cache, v_cache, slots, mask, window)
+            out = cache_attention(q, k_cache, v_cache, slots, mask, window, self.options)
         out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(
             out.reshape(b, t, -1), scope(lora, "o_proj")
         )
@@ -140,12 +144,14 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     layer_idx: int
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
-        h, k_cache, v_cache = SelfAttention(c, self.layer_idx, self.dtype, name="attn")(
+        attn = SelfAttention(c, self.layer_idx, self.dtype, self.options, name="attn")
+        h, k_cache, v_cache = attn(
             h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn")
         )
         x = x + h
@@ -161,13 +167,14 @@ class DecoderLM(nn.Module):
 
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    options: KernelOptions = KernelOptions()
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, i, self.dtype, self.options) for i in range(c.num_layers)]
         self.final_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
@@ -221,12 +228,23 @@ def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
     return params["embed_tokens"]["embedding"].dtype
 
 
-def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=False, lora=None):
+def _run(
+    params,
+    config,
+    tokens,
+    starts,
+    num_new,
+    slots,
+    kv: KVCache,
+    fresh=False,
+    lora=None,
+    options: KernelOptions = KernelOptions(),
+):
     """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
 
     ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
     """
-    model = DecoderLM(config, _params_dtype(params))
+    model = DecoderLM(config, _params_dtype(params), options)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     key_lengths = starts + num_new
     mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
@@ -236,9 +254,18 @@ def _run(params, config, tokens, starts, num_new, slots, kv: KVCache, fresh=Fals
     return model, hidden, kv
 
 
-@partial(jax.jit, static_argnames=("config", "fresh"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("config", "fresh", "options"), donate_argnames=("kv",))
 def prefill(
-    params, config: ModelConfig, tokens, lengths, slots, kv: KVCache, fresh=True, lora=None
+    params,
+    config: ModelConfig,
+    tokens,
+    lengths,
+    slots,
+    kv: KVCache,
+    fresh=True,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ) -> tuple[jax.Array, KVCache]:
     """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
 
@@ -246,43 +273,67 @@ def prefill(
     the rows hold (chunked prefill).
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
-    model, hidden, kv = _run(params, config, tokens, starts, lengths, slots, kv, fresh, lora)
+    model, hidden, kv = _run(
+        params, config, tokens, starts, lengths, slots, kv, fresh, lora, options
+    )
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
     return logits, kv
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
 def decode(
-    params, config: ModelConfig, tokens, active, kv: KVCache, lora=None
+    params,
+    config: ModelConfig,
+    tokens,
+    active,
+    kv: KVCache,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ) -> tuple[jax.Array, KVCache]:
     """One token per cache row; rows where ``active`` is False keep their length."""
     num_new = active.astype(jnp.int32)
     model, hidden, kv = _run(
-        params, config, tokens[:, None], kv.lengths, num_new, None, kv, lora=lora
+        params, config, tokens[:, None], kv.lengths, num_new, None, kv, lora=lora, options=options
     )
     logits = model.apply({"params": params}, hidden[:, 0], method=DecoderLM.logits)
     return logits, kv
 
 
-def _decode_rows(params, tokens, active, kv: KVCache, lora, *, config: ModelConfig):
-    """``decode`` with the config bound, in the argument order of ``Runner.decode_fn``."""
-    return decode(params, config, tokens, active, kv, lora)
+def _decode_rows(
+    params, tokens, active, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
+):
+    """``decode`` with the config and options bound, in the argument order of
+    ``Runner.decode_fn``."""
+    return decode(params, config, tokens, active, kv, lora, options=options)
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
 def verify(
-    params, config: ModelConfig, tokens, lengths, kv: KVCache, lora=None
+    params,
+    config: ModelConfig,
+    tokens,
+    lengths,
+    kv: KVCache,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ) -> tuple[jax.Array, KVCache]:
     """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
-    model, hidden, kv = _run(params, config, tokens, kv.lengths, lengths, None, kv, lora=lora)
+    model, hidden, kv = _run(
+        params, config, tokens, kv.lengths, lengths, None, kv, lora=lora, options=options
+    )
     logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
     return logits, kv
 
 
-def _verify_rows(params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig):
-    """``verify`` with the config bound, in the argument order of ``Runner.verify_fn``."""
-    return verify(params, config, tokens, lengths, kv, lora)
+def _verify_rows(
+    params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
+):
+    """``verify`` with the config and options bound, in the argument order of
+    ``Runner.verify_fn``."""
+    return verify(params, config, tokens, lengths, kv, lora, options=options)
 
 
 def init_params(
@@ -314,8 +365,15 @@ class Runner:
     # passes lora=None): an engine warms both up (spark_jax.serving.engine.Engine.warmup).
     adapter_rows_change_the_program = True
 
-    def __init__(self, config: ModelConfig, params: dict[str, Any], tokenizer: Any = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict[str, Any],
+        tokenizer: Any = None,
+        options: KernelOptions = KernelOptions(),
+    ):
         self.config = config
+        self.options = options  # the kernels every step of this runner compiles with
         # The params every step reads; steps never change them. With LoRA enabled the Model
         # sets them to its fused tree (``lora_params``): adapted kernels [W | A], so one GEMM
         # gives x W and x A.
@@ -325,8 +383,8 @@ class Runner:
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
-        self.decode_fn = partial(_decode_rows, config=config)
-        self.verify_fn = partial(_verify_rows, config=config)
+        self.decode_fn = partial(_decode_rows, config=config, options=options)
+        self.verify_fn = partial(_verify_rows, config=config, options=options)
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
@@ -381,7 +439,7 @@ class Runner:
             jnp.asarray(slots, jnp.int32),
             state,
         )
-        return args, {"fresh": not continuing, "lora": lora}
+        return args, {"fresh": not continuing, "lora": lora, "options": self.options}
 
     def decode(
         self,
@@ -391,7 +449,7 @@ class Runner:
         adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         lora = self._lora(adapters)
-        return decode(self.params, self.config, tokens, active, state, lora)
+        return decode(self.params, self.config, tokens, active, state, lora, options=self.options)
 
     def lower_decode(
         self,
@@ -402,7 +460,9 @@ class Runner:
     ) -> jax.stages.Lowered:
         """``decode``'s program for these inputs, traced but neither compiled nor run."""
         lora = self._lora(adapters)
-        return decode.lower(self.params, self.config, tokens, active, state, lora)
+        return decode.lower(
+            self.params, self.config, tokens, active, state, lora, options=self.options
+        )
 
     def verify(
         self,
@@ -412,7 +472,7 @@ class Runner:
         adapters: Sequence[int] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         lora = self._lora(adapters)
-        return verify(self.params, self.config, tokens, lengths, state, lora)
+        return verify(self.params, self.config, tokens, lengths, state, lora, options=self.options)
 
     def lora_input(self, adapters: Sequence[int]) -> Any:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,
@@ -451,6 +511,12 @@ class Runner:
         tokens[0, : len(ids)] = ids
         lora = self._lora(None if adapter is None else [adapter])
         out, _ = verify(
-            self.params, self.config, jnp.asarray(tokens), jnp.asarray([len(ids)]), state, lora
+            self.params,
+            self.config,
+            jnp.asarray(tokens),
+            jnp.asarray([len(ids)]),
+            state,
+            lora,
+            options=self.options,
         )
         return np.asarray(out[0, : len(ids)], np.float32)

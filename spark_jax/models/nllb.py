@@ -18,9 +18,11 @@ the forced language token is never sampled. ``decode`` runs every row of the cac
 (R = num_slots), so reading the cache never copies it. Sources are right-padded with
 ``pad_token_id``; ``src_len`` masks the padding.
 
-Every step but ``reorder_rows`` takes an optional ``lora`` (``spark_jax.ops.lora.LoraBatch``),
-one adapter slot per batch row: at prefill the encoder, the cross K/V projection and the seed
-run with the request's adapter, so the cached cross K/V already carry it.
+Every step but ``reorder_rows`` takes ``options`` (``KernelOptions``, static: one program per
+value), which the attention and LayerNorm calls follow, and an optional ``lora``
+(``spark_jax.ops.lora.LoraBatch``), one adapter slot per batch row: at prefill the encoder,
+the cross K/V projection and the seed run with the request's adapter, so the cached cross K/V
+already carry it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ import numpy as np
 from spark_jax.config import NllbConfig
 from spark_jax.models.common import bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
-from spark_jax.ops.attention import AttentionMask, attention, packed_cache_step_attention
+from spark_jax.ops.attention import attention, packed_cache_step_attention
 from spark_jax.ops.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
+from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.reference import AttentionMask
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it.
@@ -161,6 +165,7 @@ class SelfAttention(nn.Module):
     d_model: int
     num_heads: int
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(
@@ -180,7 +185,13 @@ class SelfAttention(nn.Module):
         if cache is not None and not fresh:
             # [B, T, 3N, H]: queries, keys and values side by side, split where they are read.
             out, *cache = packed_cache_step_attention(
-                _heads(qkv, 3 * self.num_heads), *cache, slots, cache_positions, mask, row_table
+                _heads(qkv, 3 * self.num_heads),
+                *cache,
+                slots,
+                cache_positions,
+                mask,
+                row_table,
+                options=self.options,
             )
             cache = tuple(cache)
         else:
@@ -188,7 +199,7 @@ class SelfAttention(nn.Module):
             if cache is not None:
                 pairs = zip(cache, (k, v), strict=True)
                 cache = tuple(write_kv(buf, new, slots, cache_positions) for buf, new in pairs)
-            out = attention(q, k, v, mask)
+            out = attention(q, k, v, mask, options=self.options)
         out = _merge_heads(out)
         out_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype, name="out_proj")
         return out_proj(out, scope(lora, "out_proj")), cache
@@ -200,6 +211,7 @@ class CrossAttention(nn.Module):
     d_model: int
     num_heads: int
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     def setup(self):
         self.q_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype)
@@ -215,7 +227,7 @@ class CrossAttention(nn.Module):
 
     def __call__(self, x, k, v, mask, lora=None):
         q = _heads(self.q_proj(x, scope(lora, "q_proj")), self.num_heads)
-        out = _merge_heads(attention(q, k, v, mask))
+        out = _merge_heads(attention(q, k, v, mask, options=self.options))
         return self.out_proj(out, scope(lora, "out_proj"))
 
 
@@ -236,12 +248,14 @@ class ReluMLP(nn.Module):
 class EncoderLayer(nn.Module):
     config: NllbConfig
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(self, x, mask, lora=None):
-        c = self.config
-        norm = partial(LayerNorm, c.layer_norm_eps, self.dtype)
-        attn = SelfAttention(c.d_model, c.encoder_attention_heads, self.dtype, name="self_attn")
+        c, options = self.config, self.options
+        norm = partial(LayerNorm, c.layer_norm_eps, self.dtype, options)
+        heads = c.encoder_attention_heads
+        attn = SelfAttention(c.d_model, heads, self.dtype, options, name="self_attn")
         x = x + attn(norm(name="self_attn_norm")(x), mask, lora=scope(lora, "self_attn"))[0]
         mlp = ReluMLP(c.d_model, c.encoder_ffn_dim, self.dtype, name="mlp")
         return x + mlp(norm(name="ffn_norm")(x), scope(lora, "mlp"))
@@ -250,14 +264,15 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     config: NllbConfig
     dtype: jnp.dtype
+    options: KernelOptions = KernelOptions()
 
     def setup(self):
-        c, heads = self.config, self.config.decoder_attention_heads
-        self.self_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
-        self.self_attn = SelfAttention(c.d_model, heads, self.dtype)
-        self.cross_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
-        self.cross_attn = CrossAttention(c.d_model, heads, self.dtype)
-        self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        c, heads, options = self.config, self.config.decoder_attention_heads, self.options
+        self.self_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
+        self.self_attn = SelfAttention(c.d_model, heads, self.dtype, options)
+        self.cross_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
+        self.cross_attn = CrossAttention(c.d_model, heads, self.dtype, options)
+        self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
         self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
 
     def __call__(
@@ -286,14 +301,15 @@ class Nllb(nn.Module):
 
     config: NllbConfig
     dtype: jnp.dtype = jnp.float32
+    options: KernelOptions = KernelOptions()
 
     def setup(self):
-        c = self.config
-        self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.dtype)
-        self.encoder_layers = [EncoderLayer(c, self.dtype) for _ in range(c.encoder_layers)]
-        self.encoder_norm = LayerNorm(c.layer_norm_eps, self.dtype)
-        self.decoder_layers = [DecoderLayer(c, self.dtype) for _ in range(c.decoder_layers)]
-        self.decoder_norm = LayerNorm(c.layer_norm_eps, self.dtype)
+        c, dtype, options = self.config, self.dtype, self.options
+        self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=dtype)
+        self.encoder_layers = [EncoderLayer(c, dtype, options) for _ in range(c.encoder_layers)]
+        self.encoder_norm = LayerNorm(c.layer_norm_eps, dtype, options)
+        self.decoder_layers = [DecoderLayer(c, dtype, options) for _ in range(c.decoder_layers)]
+        self.decoder_norm = LayerNorm(c.layer_norm_eps, dtype, options)
 
     def embed(self, tokens, positions, table_size: int):
         """Scaled token embedding plus the sinusoidal position embedding, summed in fp32."""
@@ -422,14 +438,22 @@ def _with_self_kv(cache: EncoderDecoderCache, kvs, lengths) -> EncoderDecoderCac
     return dataclasses.replace(cache, k=tuple(k), v=tuple(v), lengths=lengths)
 
 
-@partial(jax.jit, static_argnames=("config",))
-def encode(params, config: NllbConfig, src, src_len, lora: LoraBatch | None = None) -> jax.Array:
+@partial(jax.jit, static_argnames=("config", "options"))
+def encode(
+    params,
+    config: NllbConfig,
+    src,
+    src_len,
+    lora: LoraBatch | None = None,
+    *,
+    options: KernelOptions = KernelOptions(),
+) -> jax.Array:
     """Source ids [B, S] (right-padded with pad) → encoder hidden states [B, S, D]."""
-    model = Nllb(config, _params_dtype(params))
+    model = Nllb(config, _params_dtype(params), options)
     return model.apply({"params": params}, src, src_len, lora, method=Nllb.encode)
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("cache",))
 def prefill(
     params,
     config: NllbConfig,
@@ -439,13 +463,15 @@ def prefill(
     slots,
     cache: EncoderDecoderCache,
     lora: LoraBatch | None = None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ) -> tuple[jax.Array, EncoderDecoderCache]:
     """Encodes src[B, S] into rows ``slots`` and runs the decoder seed[B, T0]; last logits [B,V].
 
     Slots past the cache (padding of a bucketed batch) are dropped by every write. ``lora``
     rows follow the B batch rows: the encoder, the cross K/V and the seed use each one's adapter.
     """
-    model = Nllb(config, _params_dtype(params))
+    model = Nllb(config, _params_dtype(params), options)
     apply = partial(model.apply, {"params": params})
     cross = apply(apply(src, src_len, lora, method=Nllb.encode), lora, method=Nllb.cross_kv)
     source_positions = jnp.broadcast_to(jnp.arange(src.shape[1]), src.shape)
@@ -483,12 +509,15 @@ def prefill(
     return apply(hidden[:, -1], method=Nllb.logits), cache
 
 
-def _decode_rows(params, tokens, active, cache, lora, *, config: NllbConfig):
-    """``decode`` with the config bound, in the argument order of ``NllbRunner.decode_fn``."""
-    return decode(params, config, tokens, active, cache, lora)
+def _decode_rows(
+    params, tokens, active, cache, lora, *, config: NllbConfig, options: KernelOptions
+):
+    """``decode`` with the config and options bound, in the argument order of
+    ``NllbRunner.decode_fn``."""
+    return decode(params, config, tokens, active, cache, lora, options=options)
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("cache",))
 def decode(
     params,
     config: NllbConfig,
@@ -496,12 +525,14 @@ def decode(
     active,
     cache: EncoderDecoderCache,
     lora: LoraBatch | None = None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ) -> tuple[jax.Array, EncoderDecoderCache]:
     """One token per cache row; rows where ``active`` is False keep their length.
 
     ``lora`` rows follow the cache rows (the cross K/V already hold each row's adapter).
     """
-    model = Nllb(config, _params_dtype(params))
+    model = Nllb(config, _params_dtype(params), options)
     apply = partial(model.apply, {"params": params})
     num_new = active.astype(jnp.int32)
     cross = tuple(zip(cache.cross_k, cache.cross_v, strict=True))
@@ -521,12 +552,19 @@ def decode(
     return apply(hidden[:, 0], method=Nllb.logits), cache
 
 
-@partial(jax.jit, static_argnames=("config",))
+@partial(jax.jit, static_argnames=("config", "options"))
 def forward(
-    params, config: NllbConfig, src, src_len, decoder_tokens, lora: LoraBatch | None = None
+    params,
+    config: NllbConfig,
+    src,
+    src_len,
+    decoder_tokens,
+    lora: LoraBatch | None = None,
+    *,
+    options: KernelOptions = KernelOptions(),
 ):
     """Teacher-forced logits [B, T, V] of decoder_tokens[B, T] (HF's full forward)."""
-    model = Nllb(config, _params_dtype(params))
+    model = Nllb(config, _params_dtype(params), options)
     apply = partial(model.apply, {"params": params})
     cross = apply(apply(src, src_len, lora, method=Nllb.encode), lora, method=Nllb.cross_kv)
     b, t = decoder_tokens.shape
@@ -592,8 +630,10 @@ class NllbRunner:
         params: dict[str, Any],
         tokenizer: Any = None,
         default_tgt_lang: str | None = None,
+        options: KernelOptions = KernelOptions(),
     ):
         self.config = config
+        self.options = options  # the kernels every step of this runner compiles with
         self.params = params
         self.tokenizer = tokenizer
         self.default_tgt_lang = default_tgt_lang
@@ -601,7 +641,7 @@ class NllbRunner:
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
         # The pure decode step, for the engine's device loops (see decoder.Runner.decode_fn).
-        self.decode_fn = partial(_decode_rows, config=config)
+        self.decode_fn = partial(_decode_rows, config=config, options=options)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -675,7 +715,8 @@ class NllbRunner:
         the seed. Every request is validated before any device work, so an error leaves
         ``state`` untouched (it is donated only once all of them pass).
         """
-        logits, state = prefill(*self._prefill_args(state, slots, prompts, requests, adapters))
+        args = self._prefill_args(state, slots, prompts, requests, adapters)
+        logits, state = prefill(*args, options=self.options)
         return logits[: len(prompts)], state
 
     def lower_prefill(
@@ -688,7 +729,8 @@ class NllbRunner:
     ) -> jax.stages.Lowered:
         """``prefill``'s program for these inputs, traced but neither compiled nor run (the
         engine compiles its shapes on threads, then its calls find them compiled)."""
-        return prefill.lower(*self._prefill_args(state, slots, prompts, requests, adapters))
+        args = self._prefill_args(state, slots, prompts, requests, adapters)
+        return prefill.lower(*args, options=self.options)
 
     def _prefill_args(self, state, slots, prompts, requests, adapters) -> tuple:
         """Validates every request, then pads the batch: the arguments of ``prefill``."""
@@ -735,7 +777,7 @@ class NllbRunner:
     ) -> tuple[jax.Array, EncoderDecoderCache]:
         """One token per cache row; ``adapters`` gives each cache row's adapter slot."""
         lora = self._lora(adapters, state.num_slots)
-        return decode(self.params, self.config, tokens, active, state, lora)
+        return decode(self.params, self.config, tokens, active, state, lora, options=self.options)
 
     def lower_decode(
         self,
@@ -746,7 +788,9 @@ class NllbRunner:
     ) -> jax.stages.Lowered:
         """``decode``'s program for these inputs, traced but neither compiled nor run."""
         lora = self._lora(adapters, state.num_slots)
-        return decode.lower(self.params, self.config, tokens, active, state, lora)
+        return decode.lower(
+            self.params, self.config, tokens, active, state, lora, options=self.options
+        )
 
     def reorder_rows(
         self, state: EncoderDecoderCache, source_rows: jax.Array, with_cross: bool = False
@@ -799,6 +843,7 @@ class NllbRunner:
             jnp.asarray([len(src_ids)], jnp.int32),
             jnp.asarray(dec),
             self._lora(None if adapter is None else [adapter], 1),
+            options=self.options,
         )
         return np.asarray(out[0, : len(decoder_ids)], np.float32)
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.ops.lora import LoraBatch, scope
+from spark_jax.ops.options import KernelOptions
 
 Dtype = jnp.dtype
 
@@ -79,21 +80,22 @@ class RMSNorm(nn.Module):
         return (normed.astype(self.dtype) * scale).astype(self.dtype)
 
 
-# Our one-kernel LayerNorm (``pallas_kernels/layer_norm.py``) on the GPU: XLA's is two kernels
-# (statistics, then the affine), which NLLB-600M's launch-bound decode step pays 37 times.
-PALLAS_LAYER_NORM = True
-
-
 def layer_norm(
-    x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: Dtype
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    eps: float,
+    dtype: Dtype,
+    options: KernelOptions = KernelOptions(),
 ) -> jax.Array:
-    """LayerNorm over the last axis with fp32 statistics, in ``dtype``: our kernel on a GPU
-    (bf16/f16, ``PALLAS_LAYER_NORM``) where it applies, else ``layer_norm_reference``."""
+    """LayerNorm over the last axis with fp32 statistics, in ``dtype``: our one-kernel
+    LayerNorm (``pallas_kernels/layer_norm.py``) on a GPU (bf16/f16, where it applies and
+    ``options.pallas_layer_norm``), else ``layer_norm_reference``."""
     from pallas_kernels.layer_norm import layer_norm as kernel
     from pallas_kernels.layer_norm import layer_norm_applies
 
     if (
-        PALLAS_LAYER_NORM
+        options.pallas_layer_norm
         and jax.default_backend() == "gpu"
         and x.dtype in (jnp.bfloat16, jnp.float16)
         and layer_norm_applies(x)
@@ -124,12 +126,13 @@ class LayerNorm(nn.Module):
 
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
-        return layer_norm(x, scale, bias, self.eps, self.dtype)
+        return layer_norm(x, scale, bias, self.eps, self.dtype, self.options)
 
 
 def rotary_angles(positions: jax.Array, inv_freq: Sequence[float]) -> tuple[jax.Array, jax.Array]:

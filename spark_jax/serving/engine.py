@@ -48,7 +48,7 @@ import numpy as np
 
 from spark_jax.generation.beam import BeamResult
 from spark_jax.generation.request import GenerationResult, RequestState, TokenLogprobs
-from spark_jax.ops.attention import cudnn_paged_applies
+from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplingParams, count_tokens, sample
 

@@ -1,0 +1,68 @@
+"""Which kernels the attention and LayerNorm dispatch may pick, as one frozen value.
+
+A model holds one ``KernelOptions`` and passes it to every step as a static jit argument, so
+two models with different options compile different programs side by side: nothing is read
+from module state at trace time, and no cache ever needs clearing to change a choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IMPLEMENTATIONS = (None, "xla", "cudnn", "pallas")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The dispatch's choices and our kernels' tunings (every default measured on the H200).
+
+    ``implementation``: None lets the dispatch pick per call (cuDNN for a decode step on the
+    GPU, the one-query kernel for an MHA step over a short cache, our flash kernel for a
+    prefill on Hopper, else XLA's reference); "xla" forces the jnp reference everywhere,
+    "cudnn" and "pallas" force those kernels (and raise where a forced kernel cannot run a
+    plain ``attention`` call). For checks of one path against another.
+
+    ``flash_prefill``: our flash kernel for prefill on Hopper in the default dispatch. A 4 x
+    2048 prefill went 268 -> 186 ms (95% of the matmul rate); with the kernels shared per
+    configuration (one compiled copy for all layers) an 8B engine's warm-up stays ~32 s.
+    False keeps XLA's reference for prefill.
+
+    ``flash_decode_min_programs``: a one-token step with at least this many (row, kv head)
+    programs walks its keys through the flash kernel (B=64, K=8: 2.55-4.17 TB/s against the
+    split-K kernel's 1.42-2.92); fewer leave SMs idle (B=1, K=8: 0.07-0.11 TB/s against
+    0.16-0.18), where the keys are split instead.
+
+    ``one_query_max_keys``: the one-query kernel (Triton) takes an MHA decode step over at most
+    this many cache positions: at NLLB-600M's step the 24 attentions went 284 -> 152-162 us
+    at 32 rows and 590 -> 224-234 us at 128 rows against cuDNN. It walks each row's keys in
+    one program, so a long cache over few rows would leave the GPU idle: past this many
+    positions the split kernels keep the step.
+
+    ``paged_walk_stages`` / ``paged_walk_consumers``: the paged flash walk's copies (one per
+    page) issued by one producer warpgroup into 3 slots: 3.50 TB/s against 3.37 with the
+    kernel's defaults, the dense walk 3.53 (B=64, 16-key pages). The interpreter keeps the
+    kernel's defaults (warpgroups are threads there: slow).
+
+    ``pallas_layer_norm``: our one-kernel LayerNorm on the GPU (bf16/f16). XLA's is two
+    kernels (statistics, then the affine), which NLLB-600M's launch-bound decode step pays 37
+    times.
+    """
+
+    implementation: str | None = None
+    flash_prefill: bool = True
+    flash_decode_min_programs: int = 256
+    one_query_max_keys: int = 256
+    paged_walk_stages: int = 3
+    paged_walk_consumers: int = 1
+    pallas_layer_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown implementation {self.implementation!r}: None (the dispatch picks), "
+                "'xla', 'cudnn' or 'pallas'"
+            )
+        if not 2 <= self.paged_walk_stages <= 8:
+            raise ValueError(f"paged_walk_stages is {self.paged_walk_stages}: give 2 to 8")
+        if self.paged_walk_consumers not in (0, 1):  # the decode walk's one 64-row block
+            raise ValueError(f"paged_walk_consumers is {self.paged_walk_consumers}: give 0 or 1")
