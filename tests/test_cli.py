@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import nllb_fixtures as nf
+import helpers
 import pytest
 import sentencepiece
 
@@ -31,7 +31,7 @@ NLLB_FLAGS = ["--src-lang", "eng_Latn", "--tgt-lang", "fra_Latn", "--max-tokens"
 
 
 def _train_nllb_spm() -> bytes:
-    """A bpe sentencepiece model of exactly ``nf.SPM_SIZE`` pieces (the fixture's layout)."""
+    """A bpe sentencepiece model of exactly ``helpers.SPM_SIZE`` pieces (the fixture's layout)."""
     words = "the quick brown fox jumps over a lazy dog hello world again sleeps here".split()
     rng = random.Random(0)
     corpus = [" ".join(rng.choice(words) for _ in range(8)) for _ in range(300)]
@@ -39,7 +39,7 @@ def _train_nllb_spm() -> bytes:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus),
         model_writer=model,
-        vocab_size=nf.SPM_SIZE,
+        vocab_size=helpers.SPM_SIZE,
         model_type="bpe",
         minloglevel=2,
     )
@@ -51,7 +51,7 @@ def nllb_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A converted tiny NLLB checkpoint whose tokenizer is a real sentencepiece model."""
     hf_dir = tmp_path_factory.mktemp("nllb_hf")
     # A mild EOS boost: translations end early but not before they hold a few pieces.
-    nf.tiny_hf(seed=3, eos_boost=1.0).save_pretrained(hf_dir)
+    helpers.tiny_hf(seed=3, eos_boost=1.0).save_pretrained(hf_dir)
     (hf_dir / "sentencepiece.bpe.model").write_bytes(_train_nllb_spm())
     return convert(hf_dir, tmp_path_factory.mktemp("nllb") / "converted", "float32", False)
 
@@ -96,9 +96,9 @@ def _greedy_text(model: sj.Model, text: str) -> str:
 def test_the_converter_keeps_the_nllb_tokenizer(nllb_dir: Path, nllb_model: sj.Model) -> None:
     assert (nllb_dir / "sentencepiece.bpe.model").is_file()
     tokenizer = nllb_model.tokenizer
-    assert tokenizer.lang_code_to_id("fra_Latn") == nf.LANGUAGE_IDS["fra_Latn"]
+    assert tokenizer.lang_code_to_id("fra_Latn") == helpers.LANGUAGE_IDS["fra_Latn"]
     source = tokenizer.encode_source(SENTENCES[0], "eng_Latn")
-    assert source[0] == nf.LANGUAGE_IDS["eng_Latn"] and source[-1] == nf.EOS
+    assert source[0] == helpers.LANGUAGE_IDS["eng_Latn"] and source[-1] == helpers.EOS
     assert tokenizer.decode(source) == SENTENCES[0]
 
 

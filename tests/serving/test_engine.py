@@ -13,28 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_prompt
+from helpers import CompileCounter, random_prompt
 
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.serving.engine import Engine, PageAllocator
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    """Counts XLA backend compilations while active (jax.monitoring's compile event)."""
-
-    def __enter__(self) -> CompileCounter:
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
-        self.count += event == COMPILE_EVENT
-
-    def __exit__(self, *exc: object) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def mixed_params(i: int, max_tokens: int) -> sj.SamplingParams:
@@ -246,7 +229,7 @@ def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_pa
     import copy
 
     import torch
-    from conftest import HF_BUILDERS, model_from_hf
+    from helpers import HF_BUILDERS, model_from_hf
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(7)

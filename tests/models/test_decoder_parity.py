@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from conftest import random_prompt
+from helpers import random_prompt
 
 import spark_jax as sj
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_prompt
+from helpers import random_prompt
 
 import spark_jax as sj
 from spark_jax.generation import generate as engine
@@ -84,7 +84,7 @@ def test_stop_token_ends_generation_and_is_returned(tiny_llama):
 
 def test_model_eos_ids_stop_generation_unless_ignored(tiny_llama):
     hf, _ = tiny_llama
-    from conftest import model_from_hf
+    from helpers import model_from_hf
 
     ids = random_prompt(14, 9)
     model = model_from_hf(hf)
@@ -181,7 +181,7 @@ def test_slots_are_given_back_when_the_consumer_raises(tiny_llama):
 
 def test_prompts_of_twenty_lengths_compile_one_prefill_per_bucket_and_one_decode(tiny_llama):
     hf, _ = tiny_llama
-    from conftest import model_from_hf
+    from helpers import model_from_hf
 
     model = model_from_hf(hf)
     decoder.prefill.clear_cache()

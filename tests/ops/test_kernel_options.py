@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, model_from_hf, random_prompt
+from helpers import TINY, model_from_hf, random_prompt
 
 import spark_jax as sj
 from spark_jax.models import decoder
@@ -70,7 +70,7 @@ def test_nllb_runners_with_different_options_lower_different_decode_steps():
     """The NLLB decode step with the one-query kernel (``implementation="pallas"``,
     interpreted) and with XLA's attention: two programs from one params tree, each runner
     passing its own options to its steps and to ``decode_fn``."""
-    from nllb_fixtures import ours, random_sources, tiny_hf
+    from helpers import ours, random_sources, tiny_hf
 
     from spark_jax.models import nllb
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from converter_fixtures import TINY_LLAMA, save_tiny_llama
+from helpers import TINY_LLAMA, save_tiny_llama
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-import nllb_fixtures as nf
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -17,27 +17,29 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def hf():
-    return nf.tiny_hf(encoder_layers=2, decoder_layers=3)
+    return helpers.tiny_hf(encoder_layers=2, decoder_layers=3)
 
 
 @pytest.fixture(scope="module")
 def runner(hf):
-    return nf.ours(hf)
+    return helpers.ours(hf)
 
 
 def _hf_beam(hf, sources, tgt_lang="fra_Latn", **knobs):
-    ids, mask = nf.padded_batch(sources)
+    ids, mask = helpers.padded_batch(sources)
     with torch.no_grad():
         out = hf.generate(
             input_ids=ids,
             attention_mask=mask,
-            forced_bos_token_id=nf.LANGUAGE_IDS[tgt_lang],
+            forced_bos_token_id=helpers.LANGUAGE_IDS[tgt_lang],
             max_new_tokens=knobs.pop("max_new") + 1,  # + the forced language token
             output_scores=True,
             return_dict_in_generate=True,
             **knobs,
         )
-    return [nf.strip_hf_output(r) for r in out.sequences.tolist()], out.sequences_scores.numpy()
+    return [
+        helpers.strip_hf_output(r) for r in out.sequences.tolist()
+    ], out.sequences_scores.numpy()
 
 
 GRID = list(itertools.product([2, 4, 5], [0.6, 1.0, 1.3], [True, False, "never"]))
@@ -47,7 +49,7 @@ GRID = list(itertools.product([2, 4, 5], [0.6, 1.0, 1.3], [True, False, "never"]
 def test_beam_search_is_sequence_identical_to_hf(
     hf, runner, num_beams, length_penalty, early_stopping
 ):
-    sources = nf.random_sources(seed=10, count=10)
+    sources = helpers.random_sources(seed=10, count=10)
     knobs = dict(
         num_beams=num_beams,
         length_penalty=length_penalty,
@@ -62,7 +64,7 @@ def test_beam_search_is_sequence_identical_to_hf(
 
 def test_early_stopping_modes_lead_to_different_translations(runner):
     """Guards the grid above against a model whose beams never differ by stopping rule."""
-    sources = nf.random_sources(seed=10, count=10)
+    sources = helpers.random_sources(seed=10, count=10)
     best = {
         mode: [
             r.sequences[0]
@@ -82,7 +84,7 @@ def test_early_stopping_modes_lead_to_different_translations(runner):
 
 
 def test_several_returned_sequences_match_hf_in_order(hf, runner):
-    sources = nf.random_sources(seed=11, count=6)
+    sources = helpers.random_sources(seed=11, count=6)
     knobs = dict(num_beams=4, length_penalty=1.0, early_stopping=False, max_new=MAX_NEW)
     ref_sequences, ref_scores = _hf_beam(hf, sources, num_return_sequences=3, **knobs)
     results = generate_beam(
@@ -99,7 +101,7 @@ def _mixed_requests() -> list[BeamRequest]:
     modes = [True, False, "never"]
     return [
         BeamRequest(
-            nf.random_source(rng, int(rng.integers(3, 40))),
+            helpers.random_source(rng, int(rng.integers(3, 40))),
             tgt_lang=langs[i % 4],
             num_beams=[1, 2, 3, 4, 5][i % 5],
             max_new=int(rng.integers(4, MAX_NEW)),
@@ -125,7 +127,7 @@ def test_co_batched_requests_give_the_results_of_each_run_alone(runner):
 
 
 def test_the_target_language_of_each_request_is_forced(hf, runner):
-    sources = nf.random_sources(seed=13, count=4)
+    sources = helpers.random_sources(seed=13, count=4)
     knobs = dict(num_beams=3, length_penalty=1.0, early_stopping=True, max_new=MAX_NEW)
     for lang in ("deu_Latn", "zho_Hans"):
         ref_sequences, _ = _hf_beam(hf, sources, tgt_lang=lang, **knobs)
@@ -144,11 +146,11 @@ def test_the_target_language_of_each_request_is_forced(hf, runner):
 )
 def test_invalid_beam_requests_are_refused_naming_the_field(knobs, message):
     with pytest.raises(ValueError, match=message):
-        BeamRequest([nf.LANGUAGE_IDS["eng_Latn"], 5, nf.EOS], **knobs)
+        BeamRequest([helpers.LANGUAGE_IDS["eng_Latn"], 5, helpers.EOS], **knobs)
 
 
 def test_one_bad_request_fails_the_whole_call_naming_it(runner):
-    good = BeamRequest(nf.random_sources(seed=14, count=1)[0])
+    good = BeamRequest(helpers.random_sources(seed=14, count=1)[0])
     with pytest.raises(ValueError, match=r"request 1: unknown language code 'xx_Latn'"):
         generate_beam(runner, [good, BeamRequest(good.prompt_tokens, tgt_lang="xx_Latn")])
     with pytest.raises(ValueError, match="request 0: the source is empty"):
@@ -160,7 +162,7 @@ def _layout_requests(rng: np.random.Generator, count: int, call: int) -> list[Be
     (cache 16), sources of 17-32 tokens (bucket 32)."""
     return [
         BeamRequest(
-            nf.random_source(rng, int(rng.integers(17, 33))),
+            helpers.random_source(rng, int(rng.integers(17, 33))),
             tgt_lang=["fra_Latn", "deu_Latn", None][(call + i) % 3],
             num_beams=[3, 4][(call + i) % 2],
             max_new=int(rng.integers(6, 15)),

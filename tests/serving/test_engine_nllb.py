@@ -1,16 +1,16 @@
 """``sj.Engine`` on NLLB: continuous batching of translations, batch-invariant, no leaks.
 
-A tiny random M2M100 (``nllb_fixtures``): requests with mixed target languages, greedy and
+A tiny random M2M100 (``helpers``): requests with mixed target languages, greedy and
 seeded sampling, different sources and output lengths, more than the engine's slots, give
 exactly what each gives alone through ``sj.generate``; a warmed engine never compiles.
 """
 
 from __future__ import annotations
 
-import nllb_fixtures as nf
+import helpers
 import numpy as np
 import pytest
-from test_scheduler import CompileCounter
+from helpers import CompileCounter
 
 import spark_jax as sj
 from spark_jax.model import Model
@@ -19,7 +19,7 @@ from spark_jax.serving.seq2seq import EncoderDecoderEngine
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    runner = nf.ours(nf.tiny_hf(encoder_layers=2, decoder_layers=2, seed=3))
+    runner = helpers.ours(helpers.tiny_hf(encoder_layers=2, decoder_layers=2, seed=3))
     return Model(runner.config, runner.params, tokenizer=None, runner=runner)
 
 
@@ -46,7 +46,7 @@ def test_engine_on_an_encoder_decoder_model_is_the_encoder_decoder_engine(engine
 
 
 def test_20_mixed_translations_give_what_each_gives_alone_and_never_compile(model, engine):
-    sources = nf.random_sources(seed=11, count=20, max_len=40)
+    sources = helpers.random_sources(seed=11, count=20, max_len=40)
     params = [_params(i) for i in range(20)]
     with CompileCounter() as counter:
         results = engine.generate_many(sources, params)
@@ -58,7 +58,7 @@ def test_20_mixed_translations_give_what_each_gives_alone_and_never_compile(mode
 
 
 def test_aborted_translations_give_back_their_slots(engine):
-    sources = nf.random_sources(seed=12, count=10)
+    sources = helpers.random_sources(seed=12, count=10)
     ids = [engine.add_request(s, sj.SamplingParams(max_tokens=20)) for s in sources]
     outputs = engine.step()  # admits 4 (the prefill rows' top) and samples their first token
     aborted = [i for i in ids[::2] if engine.abort(i)]  # False for any that already ended
@@ -71,7 +71,7 @@ def test_aborted_translations_give_back_their_slots(engine):
 
 
 def test_bad_translation_requests_are_refused_before_any_work(engine):
-    source = nf.random_sources(seed=13, count=1)[0]
+    source = helpers.random_sources(seed=13, count=1)[0]
     with pytest.raises(ValueError, match=r"unknown language code 'fra_latn'"):
         engine.add_request(source, sj.SamplingParams(tgt_lang="fra_latn"))
     with pytest.raises(ValueError, match="source is empty"):
@@ -85,7 +85,7 @@ def test_beam_and_greedy_requests_share_the_loop_and_match_their_solo_results(mo
     """Beam searches (num_beams 1-4, mixed languages, lengths and stopping rules) submitted
     with greedy translations: each gives the hypotheses of ``sj.generate_beam`` of it alone
     (scores to 1e-5); no compiles."""
-    sources = nf.random_sources(seed=14, count=9, max_len=40)
+    sources = helpers.random_sources(seed=14, count=9, max_len=40)
     rules = [True, False, "never"]
     beams = [
         sj.BeamRequest(
@@ -117,7 +117,7 @@ def test_beam_and_greedy_requests_share_the_loop_and_match_their_solo_results(mo
 
 
 def test_an_aborted_beam_request_reports_abort_and_leaves_nothing_behind(engine):
-    sources = nf.random_sources(seed=15, count=3)
+    sources = helpers.random_sources(seed=15, count=3)
     ids = [engine.add_beam_request(sj.BeamRequest(s, num_beams=4, max_new=20)) for s in sources]
     assert engine.abort(ids[2])  # still waiting: leaves the queue
     outputs = engine.step()

@@ -159,7 +159,7 @@ def test_cache_step_attention_is_the_same_step_either_way(with_table):
 def test_nllb_decode_steps_through_the_kernel_match_the_plain_steps():
     """NLLB's decode step with the kernel (interpreted) against the plain step: beam-like
     reorders between steps, rows moved (no table) or read through the row table."""
-    from nllb_fixtures import ours, random_sources, tiny_hf
+    from helpers import ours, random_sources, tiny_hf
 
     from spark_jax.models import nllb
 

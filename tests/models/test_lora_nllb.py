@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import helpers
 import jax.numpy as jnp
-import nllb_fixtures as nf
 import numpy as np
 import pytest
 import torch
-from conftest import add_peft_adapters, make_peft
+from helpers import add_peft_adapters, make_peft
 
 import spark_jax as sj
 from spark_jax.generation import step
@@ -15,7 +15,7 @@ from spark_jax.generation.beam import BeamRequest, generate_beam
 from spark_jax.model import Model
 from spark_jax.models import nllb
 
-FRA = nf.LANGUAGE_IDS["fra_Latn"]
+FRA = helpers.LANGUAGE_IDS["fra_Latn"]
 ATTN = ["q_proj", "k_proj", "v_proj", "out_proj"]
 ADAPTERS = {  # name -> LoraConfig kwargs; B initialised non-zero (init_lora_weights=False)
     "all_r4": dict(r=4, lora_alpha=8, target_modules=[*ATTN, "fc1", "fc2"]),
@@ -30,13 +30,13 @@ MIXED = [None, "all_r4", "self_r8_rslora", "cross_ffn_r2", "all_r4", None]
 
 
 def _model(hf) -> Model:
-    runner = nf.ours(hf)
+    runner = helpers.ours(hf)
     return Model(runner.config, runner.params, tokenizer=None, runner=runner)
 
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
-    hf = nf.tiny_hf(encoder_layers=2, decoder_layers=3)
+    hf = helpers.tiny_hf(encoder_layers=2, decoder_layers=3)
     model = _model(hf)
     model.enable_lora(max_adapters=4, max_rank=8)
     return hf, model, add_peft_adapters(model, hf, ADAPTERS, tmp_path_factory)
@@ -57,8 +57,8 @@ def test_each_adapter_matches_peft_and_base_rows_match_the_base_model(lora_setup
     plain = _model(hf)
     rng = np.random.default_rng(1)
     for src_len, dec_len in [(5, 3), (30, 12)]:
-        src = nf.random_source(rng, src_len)
-        dec = [nf.EOS, FRA, *rng.integers(nf.FIRST_PIECE, 90, dec_len).tolist()][:dec_len]
+        src = helpers.random_source(rng, src_len)
+        dec = [helpers.EOS, FRA, *rng.integers(helpers.FIRST_PIECE, 90, dec_len).tolist()][:dec_len]
         base_ref = _hf_logits(hf, src, dec)
         np.testing.assert_array_equal(model.logits(src, dec), plain.logits(src, dec))
         for name, peft_model in peft_models.items():
@@ -71,7 +71,7 @@ def test_each_adapter_matches_peft_and_base_rows_match_the_base_model(lora_setup
 def test_mixed_prefill_and_decode_rows_each_use_their_adapter(lora_setup):
     hf, model, _ = lora_setup
     runner, plain = model.runner, _model(hf).runner
-    sources = nf.random_sources(seed=2, count=len(MIXED))
+    sources = helpers.random_sources(seed=2, count=len(MIXED))
     slots = [model.adapter_slot(n) for n in MIXED]
     rows = list(range(len(MIXED)))
     state = runner.init_state(8, 16, max(map(len, sources)))
@@ -83,7 +83,7 @@ def test_mixed_prefill_and_decode_rows_each_use_their_adapter(lora_setup):
     for row, (name, src) in enumerate(zip(MIXED, sources, strict=True)):
         if name is None:  # adds an exact zero; XLA may order the base matmuls differently
             assert _relative_error(np.asarray(mixed[row]), np.asarray(base[row])) <= 1e-6
-        expected = model.logits(src, [nf.EOS, FRA, 7], adapter=name)
+        expected = model.logits(src, [helpers.EOS, FRA, 7], adapter=name)
         assert _relative_error(np.asarray(mixed[row]), expected[1]) <= 1e-5
         assert _relative_error(np.asarray(stepped[row]), expected[2]) <= 1e-5
 
@@ -100,7 +100,7 @@ def _changed(outputs: list, base_outputs: list) -> int:
 
 def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
     hf, model, peft_models = lora_setup
-    sources = nf.random_sources(seed=3, count=len(MIXED))
+    sources = helpers.random_sources(seed=3, count=len(MIXED))
     params = [_greedy_params(n) for n in MIXED]
     solo = [sj.generate(model, s, p).output_tokens for s, p in zip(sources, params, strict=True)]
     mixed = sj.generate_batch(model, sources, params)
@@ -108,7 +108,7 @@ def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
     base = sj.generate_batch(_model(hf), sources, _greedy_params(None))
     assert [solo[i] for i in (0, 5)] == [base[i].output_tokens for i in (0, 5)]
     assert _changed(solo, [r.output_tokens for r in base]) >= 3  # the adapters really act
-    ids, mask = nf.padded_batch(sources[1:4])
+    ids, mask = helpers.padded_batch(sources[1:4])
     for row, name in enumerate(MIXED[1:4]):
         with torch.no_grad():
             ref = peft_models[name].generate(
@@ -119,7 +119,7 @@ def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
                 num_beams=1,
                 max_new_tokens=13,  # + the forced language token
             )
-        assert solo[1 + row] == nf.strip_hf_output(ref[row].tolist()), name
+        assert solo[1 + row] == helpers.strip_hf_output(ref[row].tolist()), name
     # Changing the adapter mix changes no shape: nothing recompiles.
     # (The engine runs decode steps inside its device loop, step.run_chunk.)
     before = (nllb.prefill._cache_size(), step.run_chunk._cache_size())
@@ -138,7 +138,7 @@ def _as_tuples(results):
 
 def test_mixed_beam_batches_give_each_request_its_solo_result_and_match_peft(lora_setup):
     _, model, peft_models = lora_setup
-    sources = nf.random_sources(seed=5, count=len(MIXED), max_len=16)  # one source bucket
+    sources = helpers.random_sources(seed=5, count=len(MIXED), max_len=16)  # one source bucket
     knobs = [
         dict(num_beams=[2, 3, 4][i % 3], max_new=12, num_return_sequences=1 + i % 2)
         for i in range(len(MIXED))
@@ -157,7 +157,7 @@ def test_mixed_beam_batches_give_each_request_its_solo_result_and_match_peft(lor
     ours = generate_beam(
         model, [_beam(s, n, num_beams=3, max_new=12) for n in names for s in sources[:3]]
     )
-    ids, mask = nf.padded_batch(sources[:3])
+    ids, mask = helpers.padded_batch(sources[:3])
     for i, name in enumerate(names):
         with torch.no_grad():
             ref = peft_models[name].generate(
@@ -171,7 +171,7 @@ def test_mixed_beam_batches_give_each_request_its_solo_result_and_match_peft(lor
                 return_dict_in_generate=True,
             )
         results = ours[3 * i : 3 * i + 3]
-        expected = [nf.strip_hf_output(row) for row in ref.sequences.tolist()]
+        expected = [helpers.strip_hf_output(row) for row in ref.sequences.tolist()]
         assert [r.sequences[0] for r in results] == expected, name
         np.testing.assert_allclose(
             [r.scores[0] for r in results], ref.sequences_scores.numpy(), rtol=0, atol=1e-4
@@ -196,7 +196,7 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
     head.save_pretrained(tmp_path / "head_saved")  # PEFT adds the tied embedding it trained
     with pytest.raises(ValueError, match=r"lm_head.*not supported"):
         model.add_adapter("head", tmp_path / "head_saved")
-    source = nf.random_sources(seed=7, count=1)[0]
+    source = helpers.random_sources(seed=7, count=1)[0]
     good = _beam(source, "all_r4", num_beams=2, max_new=12)
     with pytest.raises(ValueError, match=r"request 1: adapter 'nope' is not loaded.*all_r4"):
         generate_beam(model, [good, _beam(source, "nope")])
@@ -212,8 +212,8 @@ def test_bad_adapters_are_refused_clearly_and_serving_goes_on(lora_setup, tmp_pa
 
 def test_a_merged_adapter_equals_the_unmerged_output(lora_setup):
     _, model, _ = lora_setup
-    src = nf.random_sources(seed=9, count=1)[0]
-    dec = [nf.EOS, FRA, 11, 12, 13]
+    src = helpers.random_sources(seed=9, count=1)[0]
+    dec = [helpers.EOS, FRA, 11, 12, 13]
     merged = model.merged("cross_ffn_r2")  # fused cross-attention k/v included
     np.testing.assert_allclose(
         merged.logits(src, dec),
@@ -226,7 +226,7 @@ def test_a_merged_adapter_equals_the_unmerged_output(lora_setup):
 def test_engine_translations_and_beams_with_mixed_adapters_equal_their_solo_results(lora_setup):
     """``sj.Engine`` on NLLB, greedy and beam requests over 3 adapters + base in one loop."""
     _, model, _ = lora_setup
-    sources = nf.random_sources(seed=41, count=6)
+    sources = helpers.random_sources(seed=41, count=6)
     batcher = sj.Engine(model, max_num_seqs=8, max_model_len=32, max_num_beams=4)
     greedy = [sj.SamplingParams(temperature=0.0, max_tokens=10, adapter=a) for a in MIXED]
     beams = [

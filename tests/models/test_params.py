@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
-from conftest import HF_BUILDERS
-from nllb_fixtures import tiny_hf
+from helpers import HF_BUILDERS, tiny_hf
 
 import spark_jax as sj
 from spark_jax.models import declare, family

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, random_prompt
+from helpers import HF_BUILDERS, add_peft_adapters, make_peft, model_from_hf, random_prompt
 
 import spark_jax as sj
 from spark_jax.generation import step

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+import helpers
 import jax.numpy as jnp
-import nllb_fixtures as nf
 import numpy as np
 import pytest
 import torch
 
 from spark_jax.models import nllb, weight_spec
 
-FRA = nf.LANGUAGE_IDS["fra_Latn"]
+FRA = helpers.LANGUAGE_IDS["fra_Latn"]
 
 
 @pytest.fixture(scope="module")
 def hf():
-    return nf.tiny_hf(encoder_layers=2, decoder_layers=3)
+    return helpers.tiny_hf(encoder_layers=2, decoder_layers=3)
 
 
 @pytest.fixture(scope="module")
 def runner(hf):
-    return nf.ours(hf)
+    return helpers.ours(hf)
 
 
 def _relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -42,24 +42,26 @@ def test_weight_spec_matches_an_hf_checkpoint(hf, runner):
 
 @pytest.mark.parametrize("depths", [(2, 3), (3, 1)])
 def test_logits_match_hf_for_sources_and_targets_of_several_lengths(depths):
-    hf = nf.tiny_hf(*depths, seed=sum(depths))
-    runner = nf.ours(hf)
+    hf = helpers.tiny_hf(*depths, seed=sum(depths))
+    runner = helpers.ours(hf)
     rng = np.random.default_rng(1)
     for src_len, dec_len in [(3, 1), (9, 6), (40, 23)]:
-        src = nf.random_source(rng, src_len)
+        src = helpers.random_source(rng, src_len)
         # A pad id inside the target exercises HF's position rule (pads sit at pad_token_id).
-        dec = [nf.EOS, FRA, *rng.integers(nf.FIRST_PIECE, 90, dec_len).tolist(), 1, 7][:dec_len]
+        dec = [helpers.EOS, FRA, *rng.integers(helpers.FIRST_PIECE, 90, dec_len).tolist(), 1, 7][
+            :dec_len
+        ]
         ours = runner.logits(src, dec)
         ref = _hf_logits(hf, src, dec)
-        assert ours.shape == ref.shape == (dec_len, nf.VOCAB_SIZE)
+        assert ours.shape == ref.shape == (dec_len, helpers.VOCAB_SIZE)
         assert _relative_error(ours, ref) <= 1e-4, (depths, src_len, dec_len)
 
 
 def test_logits_of_a_padded_batch_of_sources_match_hf(hf, runner):
-    sources = nf.random_sources(seed=2, count=5, min_len=3, max_len=30)
-    ids, mask = nf.padded_batch(sources)
+    sources = helpers.random_sources(seed=2, count=5, min_len=3, max_len=30)
+    ids, mask = helpers.padded_batch(sources)
     rng = np.random.default_rng(3)
-    dec = torch.tensor([[nf.EOS, FRA, *rng.integers(4, 90, 10).tolist()] for _ in sources])
+    dec = torch.tensor([[helpers.EOS, FRA, *rng.integers(4, 90, 10).tolist()] for _ in sources])
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits.numpy()
     src_len = jnp.asarray([len(s) for s in sources], jnp.int32)
@@ -82,7 +84,7 @@ def _greedy(runner, sources, max_tokens, slots):
         tokens = np.zeros(16, np.int32)
         active = np.zeros(16, bool)
         for slot, out in zip(slots, outputs, strict=True):
-            if out[-1] != nf.EOS and len(out) < max_tokens:
+            if out[-1] != helpers.EOS and len(out) < max_tokens:
                 tokens[slot], active[slot] = out[-1], True
         if not active.any():
             break
@@ -95,7 +97,7 @@ def _greedy(runner, sources, max_tokens, slots):
 
 
 def _hf_greedy(hf, sources, max_tokens):
-    ids, mask = nf.padded_batch(sources)
+    ids, mask = helpers.padded_batch(sources)
     with torch.no_grad():
         out = hf.generate(
             input_ids=ids,
@@ -105,11 +107,11 @@ def _hf_greedy(hf, sources, max_tokens):
             num_beams=1,
             max_new_tokens=max_tokens + 1,  # + the forced language token
         )
-    return [nf.strip_hf_output(row) for row in out.tolist()]
+    return [helpers.strip_hf_output(row) for row in out.tolist()]
 
 
 def test_greedy_translation_is_token_identical_to_hf_generate(hf, runner):
-    sources = nf.random_sources(seed=4, count=24)
+    sources = helpers.random_sources(seed=4, count=24)
     ref = _hf_greedy(hf, sources, max_tokens=20)
     # Scattered slots: rows are independent, and unused rows decode alongside.
     slots = [15 - i for i in range(12)] + list(range(12))
@@ -118,7 +120,7 @@ def test_greedy_translation_is_token_identical_to_hf_generate(hf, runner):
         _greedy(runner, sources[12:], 20, slots[12:]),
     )
     assert first + second == ref
-    assert any(out[-1] == nf.EOS for out in ref) and any(out[-1] != nf.EOS for out in ref)
+    assert any(out[-1] == helpers.EOS for out in ref) and any(out[-1] != helpers.EOS for out in ref)
 
 
 def test_the_engine_translates_greedily_like_hf(hf, runner):
@@ -126,7 +128,7 @@ def test_the_engine_translates_greedily_like_hf(hf, runner):
     from spark_jax.model import Model
     from spark_jax.ops.sampling import SamplingParams
 
-    sources = nf.random_sources(seed=5, count=20)
+    sources = helpers.random_sources(seed=5, count=20)
     model = Model(runner.config, runner.params, tokenizer=None, runner=runner)
     params = SamplingParams(temperature=0.0, max_tokens=20, tgt_lang="fra_Latn")
     results = engine.generate_batch(model, sources, params)
@@ -136,12 +138,12 @@ def test_the_engine_translates_greedily_like_hf(hf, runner):
 def test_the_target_language_comes_from_the_request_or_the_default(hf, runner):
     from spark_jax.ops.sampling import SamplingParams
 
-    src = nf.random_sources(seed=6, count=1)[0]
+    src = helpers.random_sources(seed=6, count=1)[0]
     state = runner.init_state(4, 32, len(src))
     deu = SamplingParams(tgt_lang="deu_Latn")
     logits, state = runner.prefill(state, [0, 1], [src, src], [deu, SamplingParams()])
-    expected_deu = runner.logits(src, [nf.EOS, nf.LANGUAGE_IDS["deu_Latn"]])[-1]
-    expected_fra = runner.logits(src, [nf.EOS, FRA])[-1]  # the runner's default
+    expected_deu = runner.logits(src, [helpers.EOS, helpers.LANGUAGE_IDS["deu_Latn"]])[-1]
+    expected_fra = runner.logits(src, [helpers.EOS, FRA])[-1]  # the runner's default
     np.testing.assert_allclose(np.asarray(logits[0]), expected_deu, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits[1]), expected_fra, rtol=1e-5, atol=1e-5)
 
@@ -149,13 +151,15 @@ def test_the_target_language_comes_from_the_request_or_the_default(hf, runner):
 def test_bad_requests_are_clear_errors(runner):
     from spark_jax.ops.sampling import SamplingParams
 
-    src = nf.random_sources(seed=7, count=1)[0]
+    src = helpers.random_sources(seed=7, count=1)[0]
     state = runner.init_state(4, 32, 200)
     with pytest.raises(ValueError, match=r"unknown language code 'fra_latn'.*'fra_Latn'"):
         runner.prefill(state, [0], [src], [SamplingParams(tgt_lang="fra_latn")])
     with pytest.raises(ValueError, match="source is empty"):
         runner.prefill(state, [0], [[]], [None])
-    too_long = [nf.LANGUAGE_IDS["eng_Latn"]] + [5] * (nf.MAX_POSITIONS - 2) + [nf.EOS]
+    too_long = (
+        [helpers.LANGUAGE_IDS["eng_Latn"]] + [5] * (helpers.MAX_POSITIONS - 2) + [helpers.EOS]
+    )
     with pytest.raises(ValueError, match="max_position_embeddings - 2"):
         runner.prefill(state, [0], [too_long], [None])
     with pytest.raises(ValueError, match="does not start with the 'deu_Latn' token"):
@@ -164,11 +168,11 @@ def test_bad_requests_are_clear_errors(runner):
         runner.prefill_chunk(state, [0], [src], [None])
     # Validation happens before the cache is donated: the state is still usable.
     logits, _ = runner.prefill(state, [0], [src], [None])
-    assert logits.shape == (1, nf.VOCAB_SIZE)
+    assert logits.shape == (1, helpers.VOCAB_SIZE)
 
 
 def test_without_any_target_language_prefill_says_how_to_set_one(hf):
-    runner = nf.ours(hf, default_tgt_lang=None)
-    src = nf.random_sources(seed=8, count=1)[0]
+    runner = helpers.ours(hf, default_tgt_lang=None)
+    src = helpers.random_sources(seed=8, count=1)[0]
     with pytest.raises(ValueError, match="no target language"):
         runner.prefill(runner.init_state(1, 16, len(src)), [0], [src], [None])

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import smollm2_gguf_path
-from converter_fixtures import (
+from helpers import (
     TINY_LLAMA,
     save_tiny_llama,
+    smollm2_gguf_path,
     tiny_bpe_vocab,
     write_tiny_gguf,
 )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import HF_BUILDERS, TINY, model_from_hf, random_prompt
+from helpers import HF_BUILDERS, TINY, model_from_hf, random_prompt
 from scipy import stats
 
 import spark_jax as sj
