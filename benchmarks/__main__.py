@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny random shapes, any backend")
     parser.add_argument("--out", default=None, help="where to write the JSON line")
     parser.add_argument("--against", default=None, help="an older checkout to run side by side")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --against: old and new alternate this many times; each figure is the median",
+    )
     parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
     parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
@@ -58,9 +64,14 @@ def against(args: argparse.Namespace) -> None:
     old_tree = Path(args.against).resolve()
     if not (old_tree / "spark_jax").is_dir():
         raise SystemExit(f"{old_tree} holds no spark_jax package")
+    # Alternating rounds, so that the device's drift under sustained load (clocks) falls on
+    # both trees alike.
+    olds, news = [], []
     with tempfile.TemporaryDirectory() as scratch:
-        old = run_child(args.suite, args.tiny, old_tree, Path(scratch) / "old.json")
-        new = run_child(args.suite, args.tiny, REPO, Path(scratch) / "new.json")
+        for i in range(max(1, args.rounds)):
+            olds.append(run_child(args.suite, args.tiny, old_tree, Path(scratch) / f"old{i}.json"))
+            news.append(run_child(args.suite, args.tiny, REPO, Path(scratch) / f"new{i}.json"))
+    old, new = median_figures(olds), median_figures(news)
     ratios = {
         name: new["figures"][name] / value
         for name, value in old["figures"].items()
@@ -82,6 +93,18 @@ def against(args: argparse.Namespace) -> None:
         ["figure", "old", "new", "new/old"],
         [[n, old["figures"][n], new["figures"].get(n), ratios.get(n)] for n in old["figures"]],
     )
+
+
+def median_figures(lines: list[dict]) -> dict:
+    """The first line with each numeric figure replaced by its median over ``lines``."""
+    merged = dict(lines[0], figures=dict(lines[0]["figures"]), rounds=len(lines))
+    for name, value in lines[0]["figures"].items():
+        values = sorted(x["figures"].get(name) for x in lines if name in x["figures"])
+        if isinstance(value, int | float) and all(isinstance(v, int | float) for v in values):
+            n = len(values)
+            merged["figures"][name] = (values[(n - 1) // 2] + values[n // 2]) / 2
+    merged["all_rounds"] = [x["figures"] for x in lines]
+    return merged
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,12 +4,13 @@ A decode step of a small model is many short kernels: NLLB-600M's decoder step i
 kernels in ~0.75 ms on the H200, so the gaps between launches are a large part of it. XLA's
 command buffers record a program's kernels (and, with WHILE / CONDITIONAL, the loop itself)
 as one CUDA graph, launched at once, and a data-dependent loop no longer reads its predicate
-back to the host every step. Measured on the H200 with these per-jit options (run p of
-BENCHMARKS.md, benchmarks/nllb.py): greedy 0.0813 -> 0.0696 s per call, beam 0.187 -> 0.161
-s, outputs unchanged. Given per jitted function (``jax.jit(compiler_options=...)``) rather
+back to the host every step. Measured on the H200 with these per-jit options (the NLLB
+benchmark): greedy 0.0813 -> 0.0696 s per call, beam 0.187 -> 0.161 s, outputs
+unchanged. Given per jitted function (``jax.jit(compiler_options=...)``) rather
 than through ``XLA_FLAGS``, they reach only these loops and need nothing of the user's
 environment. CPU and other backends ignore the options. A fixed-count loop gains nothing from
-them (run q: 0.68 -> 0.77 ms per NLLB step), so they stay off the single-step programs.
+them (0.68 -> 0.77 ms per NLLB step), so they stay off the single-step programs
+(``step.one_step``).
 
 ``SPARK_JAX_COMMAND_BUFFERS=0`` in the environment (read at import) turns them off, for
 comparisons and as a way out if a driver mishandles graphs.

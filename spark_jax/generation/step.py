@@ -12,8 +12,9 @@ step to step:
     speculative verification             Verification    (forward = verify; speculative.py)
     the draft model's proposals          Drafting        (speculative.py)
 
-``run_chunk`` runs up to ``num_steps`` steps in one jitted ``lax.while_loop``; ``pick`` runs
-a rule alone on logits the caller already has (a prefill's). Rules are frozen dataclasses:
+``run_chunk`` runs up to ``num_steps`` steps in one device call (a jitted ``lax.while_loop``,
+or the step alone for one); ``pick`` runs a rule alone on logits the caller already has (a
+prefill's). Rules are frozen dataclasses:
 static jit arguments, so a rule's settings shape its program and equal rules share one.
 """
 
@@ -192,12 +193,6 @@ def step(
     return rule.advance(logits, dataclasses.replace(carry, state=state), rows, record, i)
 
 
-@partial(
-    jax.jit,
-    static_argnames=("fn", "rule", "num_steps", "exit_early"),
-    donate_argnames=("carry",),
-    compiler_options=DEVICE_LOOP_OPTIONS,
-)
 def run_chunk(
     fn: Callable,
     rule: Rule,
@@ -209,7 +204,33 @@ def run_chunk(
     exit_early: bool = True,
 ) -> tuple[Carry, Any]:
     """Up to ``num_steps`` steps in one device call (fewer when ``exit_early`` and the rule
-    says to stop: every row done). Returns the carry and the chunk's record."""
+    says to stop: every row done). Returns the carry (its input is donated) and the record.
+
+    A chunk of several steps is a device loop (``chunk_loop``, compiled with the loop
+    options of ``compile_options``); a chunk of one is the step alone (``one_step``).
+    """
+    if num_steps == 1:
+        return one_step(fn, rule, params, lora, carry, rows)
+    return chunk_loop(fn, rule, params, lora, carry, rows, num_steps, exit_early)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("fn", "rule", "num_steps", "exit_early"),
+    donate_argnames=("carry",),
+    compiler_options=DEVICE_LOOP_OPTIONS,
+)
+def chunk_loop(
+    fn: Callable,
+    rule: Rule,
+    params: Any,
+    lora: Any,
+    carry: Carry,
+    rows: Any,
+    num_steps: int,
+    exit_early: bool = True,
+) -> tuple[Carry, Any]:
+    """``num_steps`` steps in a ``lax.while_loop`` (see ``run_chunk``)."""
     entry = carry
 
     def cond(loop: tuple[Any, Carry, Any]) -> jax.Array:
@@ -226,6 +247,15 @@ def run_chunk(
     record = rule.empty_record(carry, rows, num_steps)
     _, carry, record = jax.lax.while_loop(cond, body, (0, carry, record))
     return carry, record
+
+
+@partial(jax.jit, static_argnames=("fn", "rule"), donate_argnames=("carry",))
+def one_step(
+    fn: Callable, rule: Rule, params: Any, lora: Any, carry: Carry, rows: Any
+) -> tuple[Carry, Any]:
+    """One step, no loop around it (see ``run_chunk``): the rows ``go_on`` would stop are
+    inactive, so the step leaves them as they are."""
+    return step(fn, rule, params, lora, carry, rows, rule.empty_record(carry, rows, 1), 0)
 
 
 @partial(jax.jit, static_argnames=("rule",), donate_argnames=("carry",))

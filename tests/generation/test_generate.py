@@ -185,7 +185,7 @@ def test_prompts_of_twenty_lengths_compile_one_prefill_per_bucket_and_one_decode
 
     model = model_from_hf(hf)
     decoder.prefill.clear_cache()
-    step.run_chunk.clear_cache()
+    step.chunk_loop.clear_cache()
     step.pick.clear_cache()
     lengths = list(range(1, 61, 3))  # 20 lengths over the buckets 16, 32, 64
     for n in lengths:
@@ -193,7 +193,7 @@ def test_prompts_of_twenty_lengths_compile_one_prefill_per_bucket_and_one_decode
     buckets = {decoder.bucket(n) for n in lengths}
     assert decoder.prefill._cache_size() == len(buckets) == 3
     # The decode step runs inside the engine's device loop: one compile of the loop.
-    assert step.run_chunk._cache_size() == 1
+    assert step.chunk_loop._cache_size() == 1
     assert step.pick._cache_size() == 1
 
 

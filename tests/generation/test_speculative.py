@@ -158,13 +158,13 @@ def test_penalties_stops_and_logprobs_match_generate(model):
 
 def test_one_verify_compile_per_num_drafts(model, references):
     step.pick.clear_cache()
-    step.run_chunk.clear_cache()
+    step.one_step.clear_cache()
     for prompt, reference in zip(PROMPTS, references, strict=True):
         generate_speculative(model, prompt, GREEDY, 4, OracleDrafter(reference, corrupt_at=2))
     assert step.pick._cache_size() == 1  # the first token, after the prefill
     # The verify step (every step pads to K = 4 drafts), and the decode step taken where no
     # draft fits before max_tokens.
-    assert step.run_chunk._cache_size() == 2
+    assert step.one_step._cache_size() == 2
 
 
 def test_a_batch_is_refused_and_slots_are_given_back(model):

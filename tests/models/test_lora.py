@@ -72,10 +72,10 @@ def test_changing_the_adapter_mix_never_recompiles(lora_setup):
         sj.generate_batch(model, prompts, params)
 
     run(["all_r4", None, "mlp_r2"])
-    before = (decoder.prefill._cache_size(), step.run_chunk._cache_size())
+    before = (decoder.prefill._cache_size(), step.chunk_loop._cache_size())
     run(["mlp_r2", "attn_r8_rslora", "all_r4"])
     run([None, None, "attn_r8_rslora"])
-    assert (decoder.prefill._cache_size(), step.run_chunk._cache_size()) == before
+    assert (decoder.prefill._cache_size(), step.chunk_loop._cache_size()) == before
 
 
 def _bf16(v) -> np.ndarray:

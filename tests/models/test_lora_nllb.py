@@ -121,11 +121,11 @@ def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
             )
         assert solo[1 + row] == helpers.strip_hf_output(ref[row].tolist()), name
     # Changing the adapter mix changes no shape: nothing recompiles.
-    # (The engine runs decode steps inside its device loop, step.run_chunk.)
-    before = (nllb.prefill._cache_size(), step.run_chunk._cache_size())
+    # (The engine runs decode steps inside its device loop, step.chunk_loop.)
+    before = (nllb.prefill._cache_size(), step.chunk_loop._cache_size())
     for names in (MIXED[::-1], [None] * 5 + ["self_r8_rslora"]):
         sj.generate_batch(model, sources, [_greedy_params(n) for n in names])
-    assert (nllb.prefill._cache_size(), step.run_chunk._cache_size()) == before
+    assert (nllb.prefill._cache_size(), step.chunk_loop._cache_size()) == before
 
 
 def _beam(source, name, **knobs) -> BeamRequest:
