@@ -15,7 +15,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
 
-import gguf  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -326,6 +325,8 @@ def write_tiny_gguf(
     """Write an F32 GGUF of a tiny llama state dict the way llama.cpp would lay it out."""
     config = TINY_LLAMA | (config or {})
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    import gguf  # only the converter's tests need it (not on the GPU machine)
+
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])

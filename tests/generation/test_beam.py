@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from spark_jax.generation import beam
+from spark_jax.generation import beam, step
 from spark_jax.generation.beam import BeamRequest, generate_beam
 
 MAX_NEW = 20
@@ -177,7 +177,7 @@ def _layout_requests(rng: np.random.Generator, count: int, call: int) -> list[Be
 def test_the_device_search_loop_compiles_once_per_layout(runner):
     """Calls with different requests, one (rows, beams, max_new, source) bucket: one compile of
     the search loop and one of the first step, whatever the knobs and admission waves."""
-    beam._search_chunk.clear_cache()
+    step.chunk_loop.clear_cache()
     beam._start.clear_cache()
     rng = np.random.default_rng(15)
     for call in range(3):  # 4 requests of 3-4 beams: 16 rows, all admitted at once
@@ -185,7 +185,7 @@ def test_the_device_search_loop_compiles_once_per_layout(runner):
     # 7 requests for 16 rows: admitted in waves of different sizes as rows free up.
     waves = _layout_requests(rng, 7, 3)
     generate_beam(runner, waves, max_rows=16)
-    assert beam._search_chunk._cache_size() == 1
+    assert step.chunk_loop._cache_size() == 1
     assert beam._start._cache_size() == 1
 
 

@@ -208,7 +208,7 @@ def test_the_engine_steps_fused_kernels_and_adapter_changes_never_recompile(lora
     give each request its solo result; warm-up compiles the steps with and without adapter rows,
     and swapping an adapter after it only rewrites the A columns (new params, same shapes):
     nothing compiles."""
-    from test_scheduler import CompileCounter
+    from helpers import CompileCounter
 
     from spark_jax.serving.engine import Engine
 
