@@ -147,3 +147,21 @@ def test_no_module_imports_another_modules_underscore_names():
             if private:
                 bad.append(f"{name}:{line} imports {private} from {module}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_test_module_imports_another_test_module():
+    """Tests share code through ``tests/helpers.py`` (and fixtures through conftest.py)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[0].startswith("test_") or n.split(".")[0] == "conftest"
+            ]
+    assert not bad, "\n".join(bad)
