@@ -17,7 +17,8 @@ from conftest import random_prompt
 
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
-from spark_jax.serving.engine import Engine, PageAllocator
+from spark_jax.serving.engine import Engine
+from spark_jax.serving.pages import PageAllocator
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
