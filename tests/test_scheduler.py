@@ -222,6 +222,15 @@ def test_requests_that_can_never_run_are_refused(engine):
     assert not engine.has_unfinished()
 
 
+def test_options_of_the_other_model_kind_and_beam_requests_are_refused(engine, tiny_llama):
+    _, model = tiny_llama
+    with pytest.raises(ValueError, match="max_source_len, max_num_beams do not apply"):
+        Engine(model, max_source_len=8, max_num_beams=2)
+    with pytest.raises(ValueError, match="beam search needs an encoder-decoder"):
+        engine.add_beam_request(sj.BeamRequest([1, 2, 3]))
+    assert not engine.has_unfinished()
+
+
 def test_logprobs_through_the_engine_equal_those_of_generate(engine, tiny_llama):
     _, model = tiny_llama
     prompts = [random_prompt(900 + i, 5 + 9 * i) for i in range(3)]
