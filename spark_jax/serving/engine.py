@@ -198,6 +198,7 @@ class Engine:
                 raise ValueError(f"{name} must be a power of two >= {MIN_CHUNK}, got {value}")
         if min_chunk > max_batch_tokens:
             raise ValueError(f"min_chunk {min_chunk} exceeds max_batch_tokens {max_batch_tokens}")
+        self._check_limits = self._check_prompt_limits
         self.page_size = page_size
         max_pages_per_seq = math.ceil(self.max_model_len / page_size)
         kv_pages = kv_pages or self.num_slots * max_pages_per_seq
@@ -228,6 +229,7 @@ class Engine:
                 f"max_num_beams={max_num_beams} exceeds max_num_seqs={self.num_slots}: a beam "
                 "request needs one cache row per beam; raise max_num_seqs."
             )
+        self._check_limits = self._check_source_limits
         longest = self.model.runner.max_source_len
         self.max_source_len = min(max_source_len or longest, longest)
         self.max_num_beams = max_num_beams
@@ -304,38 +306,43 @@ class Engine:
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as ints; ValueError for a request this engine can never run."""
-        vocab = self.model.config.vocab_size
-        if isinstance(self.executor, DenseExecutor):
-            prompt = check_prompt(prompt_ids, vocab, what="the source")
-            self.runner.check_source(prompt, params)
-            self.runner.target_language_id(params)
-            if len(prompt) > self.max_source_len:
-                raise ValueError(
-                    f"the source has {len(prompt)} tokens, past this engine's max_source_len="
-                    f"{self.max_source_len}; split the text or raise max_source_len."
-                )
-            if params.max_tokens + 2 > self.max_model_len:
-                raise ValueError(
-                    f"max_tokens={params.max_tokens} plus the 2 seed tokens is past this "
-                    f"engine's max_model_len={self.max_model_len}; lower max_tokens."
-                )
-        else:
-            prompt = check_prompt(prompt_ids, vocab)
-            total = len(prompt) + params.max_tokens
-            if total > self.max_model_len:
-                raise ValueError(
-                    f"the prompt has {len(prompt)} tokens and asks for {params.max_tokens} "
-                    f"more, past max_model_len={self.max_model_len}; shorten it or lower "
-                    "max_tokens."
-                )
-            pages = self.scheduler.pages
-            assert pages is not None
-            if self.scheduler.pages_for(total) > pages.num_pages:
-                raise ValueError(
-                    f"{total} tokens need more than the {pages.num_pages} KV pages of "
-                    f"{self.page_size}; raise kv_pages."
-                )
+        prompt = self._check_limits(prompt_ids, params)
         check_sampler_width(params, self.model.eos_token_ids)
+        return prompt
+
+    def _check_prompt_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """A decoder-only prompt: its output must fit max_model_len and the page pool."""
+        prompt = check_prompt(prompt_ids, self.model.config.vocab_size)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens and asks for {params.max_tokens} more, "
+                f"past max_model_len={self.max_model_len}; shorten it or lower max_tokens."
+            )
+        pages = self.scheduler.pages
+        assert pages is not None
+        if self.scheduler.pages_for(total) > pages.num_pages:
+            raise ValueError(
+                f"{total} tokens need more than the {pages.num_pages} KV pages of "
+                f"{self.page_size}; raise kv_pages."
+            )
+        return prompt
+
+    def _check_source_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """An encoder-decoder source: the runner's checks, then this engine's cache sizes."""
+        prompt = check_prompt(prompt_ids, self.model.config.vocab_size, what="the source")
+        self.runner.check_source(prompt, params)
+        self.runner.target_language_id(params)
+        if len(prompt) > self.max_source_len:
+            raise ValueError(
+                f"the source has {len(prompt)} tokens, past this engine's max_source_len="
+                f"{self.max_source_len}; split the text or raise max_source_len."
+            )
+        if params.max_tokens + 2 > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the 2 seed tokens is past this engine's "
+                f"max_model_len={self.max_model_len}; lower max_tokens."
+            )
         return prompt
 
     def add_beam_request(self, request: BeamRequest) -> int:
