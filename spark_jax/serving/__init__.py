@@ -1,1 +1,2 @@
-"""Continuous batching: the public ``Engine``, its scheduling policy, page pool and warm-up."""
+"""Continuous batching: the public ``Engine``, its scheduling policy, page pool, executors and
+warm-up."""

@@ -17,7 +17,8 @@ from helpers import CompileCounter, random_prompt
 
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
-from spark_jax.serving.engine import Engine, PageAllocator
+from spark_jax.serving.engine import Engine
+from spark_jax.serving.pages import PageAllocator
 
 
 def mixed_params(i: int, max_tokens: int) -> sj.SamplingParams:
@@ -201,6 +202,15 @@ def test_requests_that_can_never_run_are_refused(engine):
         engine.add_request([1] * 500, sj.SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="outside"):
         engine.generate_many([[1, 2], [1, 999]])
+    assert not engine.has_unfinished()
+
+
+def test_options_of_the_other_model_kind_and_beam_requests_are_refused(engine, tiny_llama):
+    _, model = tiny_llama
+    with pytest.raises(ValueError, match="max_source_len, max_num_beams do not apply"):
+        Engine(model, max_source_len=8, max_num_beams=2)
+    with pytest.raises(ValueError, match="beam search needs an encoder-decoder"):
+        engine.add_beam_request(sj.BeamRequest([1, 2, 3]))
     assert not engine.has_unfinished()
 
 

@@ -14,7 +14,8 @@ from helpers import CompileCounter
 
 import spark_jax as sj
 from spark_jax.model import Model
-from spark_jax.serving.seq2seq import EncoderDecoderEngine
+from spark_jax.serving.engine import Engine
+from spark_jax.serving.executor import DenseExecutor
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def model() -> Model:
 
 
 @pytest.fixture(scope="module")
-def engine(model) -> EncoderDecoderEngine:
+def engine(model) -> Engine:
     engine = sj.Engine(model, max_num_seqs=6, max_model_len=32, max_prefill_seqs=4, max_num_beams=4)
     engine.warmup()
     return engine
@@ -41,8 +42,10 @@ def _params(i: int) -> sj.SamplingParams:
     return sj.SamplingParams(max_tokens=max_tokens, tgt_lang=languages[i % 3], **kinds[i % 3])
 
 
-def test_engine_on_an_encoder_decoder_model_is_the_encoder_decoder_engine(engine):
-    assert isinstance(engine, EncoderDecoderEngine)
+def test_engine_on_an_encoder_decoder_model_drives_the_dense_cache(engine):
+    assert isinstance(engine.executor, DenseExecutor) and engine.pages_in_use == 0
+    with pytest.raises(ValueError, match="page_size does not apply to an encoder-decoder"):
+        sj.Engine(engine.model, page_size=16)
 
 
 def test_20_mixed_translations_give_what_each_gives_alone_and_never_compile(model, engine):

@@ -1,0 +1,515 @@
+"""The device side of a serving step: one executor per cache kind, one ``run(plan)`` each.
+
+Given a ``StepPlan`` and the slots' sequences, ``run`` builds the device inputs, runs the
+runner's decode step over every cache row (idle rows masked, so its shape never changes),
+then the prefill batch, merges the logits of the rows that sample, and samples them all with
+one jitted sampler; it returns the picks on the host, indexed by slot.
+
+- ``PagedExecutor``: a decoder-only model over a paged KV cache. The host block table moves
+  with the sequences' pages; on the GPU the decode step's attention reads each row's pages
+  in place (cuDNN's paged attention), elsewhere it gathers the rows and the table's width
+  (the longest row, in pages) moves on a ladder so the gather stays short.
+- ``DenseExecutor``: an encoder-decoder model over the runner's dense per-slot cache (whole
+  sources prefilled with their cross K/V), plus the beam lane (``BeamLane``), whose beams
+  reorder their own cache rows every step.
+
+The ``warm_*`` methods are the inputs and runs of ``spark_jax.serving.warmup``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+
+from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
+from spark_jax.ops.cudnn import cudnn_paged_applies
+from spark_jax.ops.kv_cache import PagedKVCache
+from spark_jax.ops.sampling import SamplerBatch, SamplingParams, count_tokens, sample
+from spark_jax.serving.pages import BlockTable
+from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
+
+SAMPLER_WIDTH = 32  # logit-bias entries and stop ids per request: a fixed sampler shape
+
+
+def commit(tree: Any) -> Any:
+    """The arrays of ``tree`` committed to the default device.
+
+    Every array an executor holds is committed from the start, like the step outputs that
+    replace it: a jitted step's cache key includes whether its inputs are committed, so state
+    that changed status after warm-up would compile again.
+    """
+    return jax.device_put(tree, jax.devices()[0])
+
+
+def upload(x: np.ndarray | np.generic) -> jax.Array:
+    """A host array on the device. device_put, not jnp.asarray: the latter compiles a small
+    staging program per new shape, which would break "no compiles after warm-up". A copy:
+    on the CPU the device array may alias the numpy buffer, which the host keeps editing
+    while the step it feeds is still queued."""
+    return jax.device_put(np.array(x, copy=True))
+
+
+@jax.jit
+def _merge_rows(logits: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """logits[slots[i]] = rows[i]; slots out of range (padding, unfinished chunks) dropped."""
+    return logits.at[slots].set(rows, mode="drop")
+
+
+@partial(jax.jit, donate_argnames=("token_counts",))
+def _sample_rows(logits, batch: SamplerBatch, token_counts, prompt_mask, num_generated, active):
+    out = sample(logits, batch, token_counts, prompt_mask, num_generated)
+    return out, count_tokens(token_counts, out.tokens, active)
+
+
+@partial(jax.jit, donate_argnames=("token_counts", "prompt_mask"))
+def _set_row(token_counts, prompt_mask, slot, counts_row, mask_row):
+    """A slot's sampler state for a newly admitted sequence (its output so far, its prompt)."""
+    token_counts = token_counts.at[slot].set(counts_row, mode="drop")
+    return token_counts, prompt_mask.at[slot].set(mask_row, mode="drop")
+
+
+@dataclass
+class HostTokens:
+    """One step's picks on the host, indexed by slot (the logprob fields when asked for)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class WarmStep:
+    """One step shape for warm-up: the runner's ``kind`` step ("decode" | "prefill") over a
+    ``shape`` (a decode: its table width; a prefill: rows and chunk or source length)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    adapted: bool = False  # the variant with an adapter row
+
+
+@dataclass(frozen=True)
+class WarmGroup:
+    """Step shapes compiled together. ``inputs`` gives a step's fresh (args, kwargs) (each
+    run donates the cache, so every call builds its own); ``run`` runs the steps once."""
+
+    steps: list[WarmStep]
+    inputs: Callable[[WarmStep], tuple[tuple, dict[str, Any]]]
+    run: Callable[[list[WarmStep]], None]
+
+
+def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """The engine's sampler has a fixed width of stop ids and logit-bias entries per row."""
+    stops = params.stop_token_set(eos_token_ids)
+    if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
+        raise ValueError(
+            f"at most {SAMPLER_WIDTH} stop token ids (EOS included) and logit_bias entries "
+            "per request: the engine's sampler has a fixed shape."
+        )
+
+
+class SlotSampler:
+    """The sampler over every slot: per-slot token counts and prompt masks, and the batch of
+    sampling settings, rebuilt when the slots' owners change."""
+
+    def __init__(self, num_slots: int, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.num_slots = num_slots
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
+        self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
+        self.zero_logits = commit(np.zeros((num_slots, vocab_size), np.float32))
+        self._owners: list[int | None] = [None] * num_slots  # admission numbers
+        self._batch: SamplerBatch | None = None
+
+    def sync(self, slots: Sequence[SequenceState | None]) -> None:
+        """New owners get their sampler rows (output so far, prompt); the batch is rebuilt."""
+        owners = [None if s is None else s.admitted for s in slots]
+        if owners == self._owners:
+            return
+        for seq, old in zip(slots, self._owners, strict=True):
+            if seq is not None and seq.admitted != old:
+                self._set_row(seq)
+        self._owners = owners
+        self._batch = None
+
+    def _set_row(self, seq: SequenceState) -> None:
+        vocab = self.vocab_size
+        counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=vocab)
+        mask = np.bincount(np.asarray(seq.prompt, np.int64), minlength=vocab) > 0
+        self.counts, self.prompt_mask = _set_row(
+            self.counts,
+            self.prompt_mask,
+            upload(np.int32(seq.slot)),
+            upload(counts[:vocab].astype(np.int32)),
+            upload(mask[:vocab]),
+        )
+
+    def sample(
+        self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
+    ) -> HostTokens | None:
+        if not rows:
+            return None
+        if self._batch is None:
+            self._batch = self.batch([None if s is None else s.params for s in slots])
+        active = np.zeros((self.num_slots,), bool)
+        generated = np.zeros((self.num_slots,), np.int32)
+        for seq in rows:
+            active[seq.slot] = True
+            generated[seq.slot] = len(seq.generated)
+        out, self.counts = _sample_rows(
+            logits,
+            self._batch,
+            self.counts,
+            self.prompt_mask,
+            upload(generated),
+            upload(active),
+        )
+        if any(s.params.logprobs is not None for s in rows):
+            return HostTokens(*(np.asarray(x) for x in jax.device_get(out)))
+        return HostTokens(np.asarray(out.tokens))
+
+    def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
+        return SamplerBatch.from_params(
+            params, self.vocab_size, self.eos_token_ids, min_width=SAMPLER_WIDTH
+        )
+
+    def warm(self, logits: jax.Array) -> None:
+        """Runs the sampler and the row setter once on no row (a slot out of range)."""
+        n, vocab = self.num_slots, self.vocab_size
+        none = upload(np.zeros((n,), bool))
+        out, self.counts = _sample_rows(
+            logits,
+            self.batch([None] * n),
+            self.counts,
+            self.prompt_mask,
+            upload(np.zeros((n,), np.int32)),
+            none,
+        )
+        self.counts, self.prompt_mask = _set_row(
+            self.counts,
+            self.prompt_mask,
+            upload(np.int32(n)),
+            upload(np.zeros((vocab,), np.int32)),
+            upload(np.zeros((vocab,), bool)),
+        )
+        jax.block_until_ready((out, self.counts))
+
+
+def _decode_inputs(
+    rows: list[SequenceState], slots: Sequence[SequenceState | None]
+) -> tuple[jax.Array, jax.Array, list[int]]:
+    """Every cache row's next input token, whether it decodes, and its adapter."""
+    tokens = np.zeros((len(slots),), np.int32)
+    active = np.zeros((len(slots),), bool)
+    for seq in rows:
+        tokens[seq.slot] = seq.generated[-1]
+        active[seq.slot] = True
+    adapters = [-1 if s is None else s.adapter for s in slots]
+    return upload(tokens), upload(active), adapters
+
+
+def _sampled_targets(rows: list[PrefillRow], padded: int, nowhere: int) -> np.ndarray:
+    """The slot each prefill row's logits go to: its own if it samples, else nowhere."""
+    targets = np.full((padded,), nowhere, np.int32)
+    for i, row in enumerate(rows):
+        if row.last:
+            targets[i] = row.seq.slot
+    return targets
+
+
+class PagedExecutor:
+    """A decoder-only model's steps over a paged KV cache (see the module docstring).
+
+    ``adapter_rows_change_the_program`` (the runner's): warm-up compiles each step with and
+    without an adapter row.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        max_pages_per_seq: int,
+        width_ladder: list[int],
+    ):
+        c = model.config
+        self.runner = model.runner
+        self.adapter_rows_change_the_program = bool(self.runner.adapter_rows_change_the_program)
+        self.num_slots = num_slots
+        self.num_pages = num_pages
+        self.max_pages_per_seq = max_pages_per_seq
+        self.state = commit(
+            PagedKVCache.create(
+                c.num_layers, num_slots, num_pages, page_size, max_pages_per_seq,
+                c.num_kv_heads, c.head_dim, model.dtype,
+            )
+        )  # fmt: skip
+        self.width_ladder = width_ladder
+        if self._decode_reads_pages_in_place(model):
+            # Each row's attention then reads its own pages whatever the table's width: one
+            # decode shape instead of a ladder, so fewer compiles at startup.
+            self.width_ladder = [max_pages_per_seq]
+        self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
+        self.sampler = SlotSampler(num_slots, c.vocab_size, model.eos_token_ids)
+
+    def _decode_reads_pages_in_place(self, model: Any) -> bool:
+        """True where the decode step's attention reads the pages in place (cuDNN's paged
+        attention on the GPU) rather than gathering each row's table width."""
+        c = model.config
+        q = jax.ShapeDtypeStruct((self.num_slots, 1, c.num_heads, c.head_dim), model.dtype)
+        window = next((w for w in c.sliding_windows if w), None)
+        return cudnn_paged_applies(q, self.state.k[0], self.num_slots, window)
+
+    def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
+        # Adapters go to the runner only when a pool exists, so plain models keep one compile.
+        return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
+
+    def _device_state(self, width: int) -> PagedKVCache:
+        table = upload(self.table.pages[:, :width])
+        return self.state.with_block_table(table).with_lengths(upload(self.table.lengths))
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> HostTokens | None:
+        """Runs one step's decode and prefill rows; the picks of the rows that sample."""
+        running = [s for s in slots if s is not None]
+        self.table.sync(running)
+        self.sampler.sync(slots)
+        logits = self.sampler.zero_logits
+        if plan.decode:
+            width = rung(self.width_ladder, max(len(s.pages) for s in running))
+            tokens, active, adapters = _decode_inputs(plan.decode, slots)
+            logits, self.state = self.runner.decode(
+                self._device_state(width), tokens, active, **self._lora(adapters)
+            )
+            for seq in plan.decode:
+                self.table.lengths[seq.slot] += 1
+        if plan.prefill:
+            logits = self._prefill(plan, logits)
+        return self.sampler.sample(logits, plan.samples, slots)
+
+    def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
+        """Runs the chunks; the rows that finished their prefill get their logits merged in."""
+        rows, padded = plan.prefill, plan.prefill_rows
+        pad = padded - len(rows)
+        nowhere = self.num_slots  # a slot out of range: its writes are dropped
+        slots = [r.seq.slot for r in rows] + [nowhere] * pad
+        chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows] + [[0]] * pad
+        adapters = [r.seq.adapter for r in rows] + [-1] * pad
+        chunk_logits, self.state = self.runner.prefill(
+            self._device_state(self.max_pages_per_seq),
+            slots,
+            chunks,
+            continuing=True,
+            min_len=plan.prefill_len,
+            **self._lora(adapters),
+        )
+        for r in rows:
+            self.table.lengths[r.seq.slot] = r.start + r.length
+        if any(r.last for r in rows):
+            targets = _sampled_targets(rows, padded, nowhere)
+            logits = _merge_rows(logits, chunk_logits, upload(targets))
+        return logits
+
+    # -- warm-up ----------------------------------------------------------------------------
+
+    def warm_groups(self, prefill_shapes: list[tuple[int, int]]) -> list[WarmGroup]:
+        """Every decode width and (rows, chunk) prefill batch, run on rows out of range."""
+        steps = [WarmStep("decode", (w,)) for w in self.width_ladder]
+        steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
+        return [WarmGroup(steps, self.warm_inputs, partial(_run_warm_steps, self))]
+
+    def warm_rest(self, max_admitted: int) -> None:
+        """Nothing beyond the steps and the sampler (no beam lane)."""
+        del max_admitted
+
+    def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
+        if step.kind == "decode":  # no active row, over an empty block table
+            (width,) = step.shape
+            n = self.num_slots
+            empty = upload(np.full((n, width), self.num_pages, np.int32))
+            state = self.state.with_block_table(empty).with_lengths(upload(self.table.lengths))
+            tokens, active = upload(np.zeros((n,), np.int32)), upload(np.zeros((n,), bool))
+            return (state, tokens, active), self._lora(_warm_adapters(n, step.adapted))
+        rows, chunk = step.shape  # rows x chunk tokens into slots out of range
+        state = self._device_state(self.max_pages_per_seq)
+        lora = self._lora(_warm_adapters(rows, step.adapted))
+        kwargs = {"continuing": True, "min_len": chunk} | lora
+        return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
+
+
+def _warm_adapters(rows: int, adapted: bool) -> list[int]:
+    """A warm-up batch's adapters: the base, or (``adapted``) adapter 0 in the first row."""
+    return [0 if adapted and i == 0 else -1 for i in range(rows)]
+
+
+def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmStep]) -> None:
+    """Runs each base step once (its adapter variants are compiled only), merging every
+    prefill's logits into both kinds of logits a run merges into, then warms the sampler."""
+    runner, sampler = executor.runner, executor.sampler
+    logits = sampler.zero_logits
+    for step in [s for s in steps if not s.adapted]:
+        args, kwargs = executor.warm_inputs(step)
+        if step.kind == "decode":
+            logits, executor.state = runner.decode(*args, **kwargs)
+            continue
+        chunk_logits, executor.state = runner.prefill(*args, **kwargs)
+        targets = upload(np.full((step.shape[0],), executor.num_slots, np.int32))
+        logits = _merge_rows(logits, chunk_logits, targets)
+        logits = _merge_rows(sampler.zero_logits, chunk_logits, targets)
+    sampler.warm(logits)
+
+
+class DenseExecutor:
+    """An encoder-decoder model's steps over its dense per-slot cache, and the beam lane.
+
+    Each slot holds its own decoder keys (``max_model_len`` positions: the two seed tokens
+    and the generated ones) and its source's cross-attention keys (``max_source_len``).
+    Sources admitted in one step are prefilled as one batch, padded to the row ladder with
+    copies of the first that write nowhere. The beam lane has cache rows of its own.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        num_slots: int,
+        max_model_len: int,
+        max_source_len: int,
+        max_num_beams: int,
+    ):
+        self.runner = model.runner
+        self.adapter_rows_change_the_program = bool(self.runner.adapter_rows_change_the_program)
+        self.eos_token_id = model.config.eos_token_id
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.max_source_len = max_source_len
+        self.max_num_beams = max_num_beams
+        self.state = commit(self.runner.init_state(num_slots, max_model_len, max_source_len))
+        self.sampler = SlotSampler(num_slots, model.config.vocab_size, model.eos_token_ids)
+        self.new_beam_lane()
+
+    def new_beam_lane(self) -> None:
+        """An empty beam lane (at start, and after a failed step)."""
+        # The same rows, length and sources as the greedy cache, committed like it; its row
+        # table makes its prefills programs of their own (warmed in their own group).
+        self.beams = BeamLane(
+            self.runner, self.max_num_beams, self.num_slots, self.max_model_len,
+            self.max_source_len,
+        )  # fmt: skip
+        self.beams.carry = commit(self.beams.carry)
+
+    def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
+        return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> HostTokens | None:
+        """Runs one step's decode rows and whole-source prefills; the picks of those that
+        sample (every row: a source's prefill ends in the step that admits it)."""
+        self.sampler.sync(slots)
+        logits = self.sampler.zero_logits
+        if plan.decode:
+            tokens, active, adapters = _decode_inputs(plan.decode, slots)
+            logits, self.state = self.runner.decode(
+                self.state, tokens, active, **self._lora(adapters)
+            )
+        if plan.prefill:
+            logits = self._prefill(plan, logits)
+        return self.sampler.sample(logits, plan.samples, slots)
+
+    def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
+        """Encodes the admitted sources and seeds their decoders; merges their first logits."""
+        seqs = [row.seq for row in plan.prefill]
+        pad = plan.prefill_rows - len(seqs)
+        nowhere = self.num_slots  # a slot out of range: its writes are dropped
+        first = seqs[0]
+        slots = [s.slot for s in seqs] + [nowhere] * pad
+        prompts = [s.prompt for s in seqs] + [first.prompt] * pad
+        requests = [s.params for s in seqs] + [first.params] * pad
+        adapters = [s.adapter for s in seqs] + [-1] * pad
+        chunk_logits, self.state = self.runner.prefill(
+            self.state, slots, prompts, requests, **self._lora(adapters)
+        )
+        targets = _sampled_targets(plan.prefill, len(slots), nowhere)
+        return _merge_rows(logits, chunk_logits, upload(targets))
+
+    def run_beams(self, limit: int) -> dict[int, BeamResult]:
+        """One chunk of search steps of every running beam request, after admitting up to
+        ``limit`` waiting ones; the results of those that finished, by lane index."""
+        lane = self.beams
+        if not lane.busy:
+            return {}
+        lane.admit(limit=limit)
+        lane.retire(np.asarray(lane.dispatch()))
+        lane.collect()
+        results, lane.results = dict(lane.results), {}
+        return results
+
+    # -- warm-up ----------------------------------------------------------------------------
+
+    def warm_groups(self, prefill_shapes: list[tuple[int, int]]) -> list[WarmGroup]:
+        """The decode step and every (rows, source length) prefill, run on rows out of
+        range; then every prefill again on the beam lane's cache, whose row table (beams read
+        their history through it) makes its prefills programs of their own."""
+        steps = [WarmStep("decode", ())] + [WarmStep("prefill", s) for s in prefill_shapes]
+        beam_steps = [WarmStep("prefill", s) for s in prefill_shapes]
+        return [
+            WarmGroup(steps, self.warm_inputs, partial(_run_warm_steps, self)),
+            WarmGroup(beam_steps, self._beam_warm_inputs, self._run_beam_prefills),
+        ]
+
+    def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
+        n = self.num_slots
+        if step.kind == "decode":  # no active row
+            tokens, active = upload(np.zeros((n,), np.int32)), upload(np.zeros((n,), bool))
+            return (self.state, tokens, active), self._lora(_warm_adapters(n, step.adapted))
+        rows, length = step.shape  # rows sources of length EOS tokens into slots out of range
+        source = [self.eos_token_id] * min(length, self.max_source_len)
+        request = self._warmup_request()
+        args = (self.state, [n] * rows, [source] * rows, [request] * rows)
+        return args, self._lora(_warm_adapters(rows, step.adapted))
+
+    def _beam_warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
+        args, kwargs = self.warm_inputs(step)
+        return (self.beams.carry.state, *args[1:]), kwargs
+
+    def _run_beam_prefills(self, steps: list[WarmStep]) -> None:
+        for step in steps:  # variants too: nothing else runs them
+            args, kwargs = self._beam_warm_inputs(step)
+            _, cache = self.runner.prefill(*args, **kwargs)
+            self.beams.carry = dataclasses.replace(self.beams.carry, state=cache)
+
+    def warm_rest(self, max_admitted: int) -> None:
+        """Runs 1 .. ``max_admitted`` one-step searches at once: the programs that depend on
+        how many requests one step admits, then the search chunk itself."""
+        tgt_lang = self._warmup_request().tgt_lang
+        dummy = BeamRequest([self.eos_token_id] * 4, tgt_lang=tgt_lang, num_beams=1, max_new=1)
+        for n in range(1, min(max_admitted, self.num_slots) + 1):
+            for _ in range(n):
+                self.beams.add(dummy, -1)
+            while self.beams.busy:
+                self.beams.admit(limit=n)
+                self.beams.retire(np.asarray(self.beams.dispatch()))
+                self.beams.collect()
+            self.beams.results.clear()
+
+    def _warmup_request(self) -> SamplingParams:
+        """A request whose target language the runner can map (the default, else English)."""
+        if self.runner.default_tgt_lang is not None:
+            return SamplingParams()
+        try:
+            self.runner.language_id("eng_Latn")
+        except ValueError as error:
+            raise ValueError(
+                "the engine cannot warm up without a target language it can map; give the "
+                "runner a default_tgt_lang."
+            ) from error
+        return SamplingParams(tgt_lang="eng_Latn")

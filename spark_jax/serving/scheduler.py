@@ -1,0 +1,302 @@
+"""The serving engine's scheduling policy: plain Python, no device work.
+
+A ``Scheduler`` holds the waiting queue and the slots of the running sequences; each
+``plan()`` turns them into one ``StepPlan``:
+
+1. decode: every running sequence that holds its next input token, oldest admission first.
+   With a page pool, a row whose next key starts a new page gets one; when none is free the
+   newest running sequence is preempted (its slot and pages freed, back to the head of the
+   queue, to be recomputed from prompt + generated tokens; its generated tokens are kept).
+2. prefill: sequences still reading their prompt advance by one chunk, then waiting
+   sequences are admitted first come, first served, when a slot (and, with a pool, the pages
+   of everything they must compute) is free. A step that preempted admits nobody.
+
+With ``chunks`` (a ``ChunkBudget``) prompts are read in chunks that pack into one ``[B, T]``
+batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens``;
+without, each admitted prompt is read whole in the step that admits it, up to the row
+ladder's top of them (an encoder-decoder's source: its encoder attends both ways). Without
+a page pool nothing is ever preempted: an admitted sequence always finishes in its slot.
+
+``advance(plan)`` records what a step computed once the device has run it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_jax.serving.pages import PageAllocator
+
+
+def pow2_ladder(low: int, high: int) -> list[int]:
+    """low, 2*low, ... up to high (high itself is the last rung even if not a power of two)."""
+    rungs = [low]
+    while rungs[-1] < high:
+        rungs.append(min(rungs[-1] * 2, high))
+    return rungs
+
+
+def rung(ladder: Sequence[int], n: int) -> int:
+    """The lowest rung of ``ladder`` that holds ``n``."""
+    return next(r for r in ladder if r >= n)
+
+
+class SequenceState:
+    """One request's place in the schedule: waiting -> running (prefilling, decoding) -> done.
+
+    ``generated`` is the request's output token list (shared with its ``RequestState``, which
+    appends to it); ``params`` and ``adapter`` ride along for the executor, the policy never
+    reads them.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt: Sequence[int],
+        generated: list[int] | None = None,
+        params: Any = None,
+        adapter: int = -1,
+    ):
+        self.id = seq_id
+        self.prompt = list(prompt)
+        self.generated = [] if generated is None else generated
+        self.params = params
+        self.adapter = adapter
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.num_computed = 0  # tokens whose keys are in the cache
+        self.prefill_target = 0  # tokens to compute before the next sample (set on admission)
+        self.admitted = -1  # admission number: the newest running sequence is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    def __repr__(self) -> str:
+        return f"SequenceState(id={self.id}, slot={self.slot}, computed={self.num_computed})"
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One row of a step's prefill batch: ``length`` tokens of ``seq`` from ``start``."""
+
+    seq: SequenceState
+    start: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the sequence's prefill: its logits are sampled."""
+        return self.start + self.length >= self.seq.prefill_target
+
+
+@dataclass
+class StepPlan:
+    """One step: the decode rows, the prefill rows, and who was preempted to make room."""
+
+    decode: list[SequenceState] = field(default_factory=list)
+    prefill: list[PrefillRow] = field(default_factory=list)
+    preempted: list[SequenceState] = field(default_factory=list)
+    prefill_rows: int = 0  # the prefill batch's rows, padded to the row ladder
+    prefill_len: int = 0  # its chunk length, padded to the chunk ladder (0: whole prompts)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def samples(self) -> list[SequenceState]:
+        """The rows that sample a token this step: the decode rows, then finished prefills."""
+        return self.decode + [row.seq for row in self.prefill if row.last]
+
+
+@dataclass(frozen=True)
+class ChunkBudget:
+    """Chunked prefill: chunks of ``chunk_ladder`` lengths, at most ``max_batch_tokens``
+    padded tokens (rows x chunk) per prefill batch."""
+
+    max_batch_tokens: int
+    chunk_ladder: list[int]
+
+
+class Scheduler:
+    """Slots, the waiting queue and (optionally) a page pool; ``plan()`` makes each step.
+
+    num_slots: cache rows. row_ladder: the prefill batch's padded row counts (its top: the
+    most rows prefilled in one step). pages / page_size: the KV page pool, None for a dense
+    cache (no pages, no preemption). chunks: chunked prefill's budget, None to read every
+    prompt whole in the step that admits it.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        row_ladder: list[int],
+        pages: PageAllocator | None = None,
+        page_size: int = 0,
+        chunks: ChunkBudget | None = None,
+    ):
+        if pages is not None and page_size < 1:
+            raise ValueError("a page pool needs page_size >= 1.")
+        self.num_slots = num_slots
+        self.row_ladder = row_ladder
+        self.pages = pages
+        self.page_size = page_size
+        self.chunks = chunks
+        self.slots: list[SequenceState | None] = [None] * num_slots
+        self.free_slots = list(range(num_slots))[::-1]
+        self.waiting: deque[SequenceState] = deque()
+        self.num_preemptions = 0
+        self._admissions = 0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, chunk) prefill batch a plan can form (chunk 0: whole prompts)."""
+        if self.chunks is None:
+            return [(b, 0) for b in self.row_ladder]
+        budget = self.chunks.max_batch_tokens
+        return [
+            (b, t) for b in self.row_ladder for t in self.chunks.chunk_ladder if b * t <= budget
+        ]
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.num_slots - len(self.free_slots)
+
+    @property
+    def pages_in_use(self) -> int:
+        return 0 if self.pages is None else self.pages.in_use
+
+    def running(self) -> list[SequenceState]:
+        """The sequences holding a slot, oldest admission first."""
+        return sorted((s for s in self.slots if s is not None), key=lambda s: s.admitted)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size) if self.pages is not None else 0
+
+    # -- arrivals and departures ------------------------------------------------------------
+
+    def add(self, seq: SequenceState) -> None:
+        """Queues a new sequence at the back."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: SequenceState) -> None:
+        """Takes a sequence out wherever it is (abort): its slot and pages are freed."""
+        if seq.slot is not None:
+            self.release(seq)
+        else:
+            self.waiting.remove(seq)
+
+    def release(self, seq: SequenceState) -> None:
+        """Gives back the slot and pages of a sequence (finish, abort, preemption, error)."""
+        assert seq.slot is not None
+        if self.pages is not None:
+            self.pages.free(seq.pages)
+        self.slots[seq.slot] = None
+        self.free_slots.append(seq.slot)
+        seq.slot, seq.pages = None, []
+
+    def clear(self) -> list[SequenceState]:
+        """Releases every running sequence and empties the queue; returns the running ones."""
+        running = self.running()
+        for seq in running:
+            self.release(seq)
+        self.waiting.clear()
+        return running
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        """This step's rows; admits and preempts as it goes (see the module docstring)."""
+        plan = StepPlan()
+        self._plan_decode(plan)
+        self._plan_prefill(plan, admit=not plan.preempted)
+        if plan.prefill:
+            plan.prefill_rows = rung(self.row_ladder, len(plan.prefill))
+            if self.chunks is not None:
+                longest = max(row.length for row in plan.prefill)
+                plan.prefill_len = rung(self.chunks.chunk_ladder, longest)
+        return plan
+
+    def advance(self, plan: StepPlan) -> None:
+        """Records the keys a step put in the cache once it ran."""
+        for seq in plan.decode:
+            seq.num_computed += 1
+        for row in plan.prefill:
+            row.seq.num_computed = row.start + row.length
+
+    def _plan_decode(self, plan: StepPlan) -> None:
+        for seq in [s for s in self.running() if not s.prefilling]:
+            if seq.slot is None:  # preempted for an older sequence in this loop
+                continue
+            if self.pages is not None and seq.num_computed // self.page_size >= len(seq.pages):
+                while self.pages.num_free == 0 and seq.slot is not None:
+                    plan.preempted.append(self._preempt(self.running()[-1]))
+                if seq.slot is None:
+                    continue
+                seq.pages += self.pages.allocate(1)
+            plan.decode.append(seq)
+
+    def _plan_prefill(self, plan: StepPlan, admit: bool) -> None:
+        rows = plan.prefill
+        for seq in self.running():
+            if seq.prefilling and not self._add_chunk(rows, seq):
+                return
+        while admit and self.waiting and self.free_slots:
+            seq = self.waiting[0]
+            need = self.pages_for(len(seq.prompt) + len(seq.generated))
+            if self.pages is not None and need > self.pages.num_free:
+                break
+            if not self._room(rows):
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            self._add_chunk(rows, seq)
+
+    def _room(self, rows: list[PrefillRow]) -> int:
+        """The longest chunk one more prefill row could take (0: no room this step), keeping
+        rows x chunk (both padded to their ladders) within the budget."""
+        n = len(rows) + 1
+        if n > self.row_ladder[-1]:
+            return 0
+        if self.chunks is None:
+            return 1 << 62  # a whole prompt
+        cap = self.chunks.max_batch_tokens // rung(self.row_ladder, n)
+        if cap < self.chunks.chunk_ladder[0] or any(row.length > cap for row in rows):
+            return 0
+        return cap
+
+    def _add_chunk(self, rows: list[PrefillRow], seq: SequenceState) -> bool:
+        cap = self._room(rows)
+        if cap:
+            start = seq.num_computed
+            rows.append(PrefillRow(seq, start, min(seq.prefill_target - start, cap)))
+        return bool(cap)
+
+    def _admit(self, seq: SequenceState) -> None:
+        seq.slot = self.free_slots.pop()
+        # Everything it holds is recomputed: its prompt and, after a preemption, its output.
+        seq.prefill_target = len(seq.prompt) + len(seq.generated)
+        if self.pages is not None:
+            seq.pages = self.pages.allocate(self.pages_for(seq.prefill_target))
+        seq.num_computed = 0
+        seq.admitted = self._admissions
+        self._admissions += 1
+        self.slots[seq.slot] = seq
+
+    def _preempt(self, seq: SequenceState) -> SequenceState:
+        self.release(seq)
+        seq.num_computed = seq.prefill_target = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq

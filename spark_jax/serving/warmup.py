@@ -1,0 +1,42 @@
+"""Warm-up: every step shape an engine can run, compiled up front, so a run never compiles.
+
+For either executor: each group of step shapes (``WarmGroup``) is traced here and compiled on
+``compile_threads`` threads (XLA compiles outside the GIL; an 8B step takes seconds each),
+then run once on rows out of range (an empty block table, slots past the cache), so nothing
+is written. Inputs are made the way a run makes them, so a run finds every program cached.
+Where the runner's steps with an adapter row are other programs than those without
+(``adapter_rows_change_the_program``), both are compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+from spark_jax.serving.executor import DenseExecutor, PagedExecutor, WarmStep
+
+
+def warmup(
+    executor: PagedExecutor | DenseExecutor,
+    prefill_shapes: list[tuple[int, int]],
+    max_admitted: int,
+    compile_threads: int = 8,
+) -> None:
+    """Compiles and runs every step shape of ``executor`` (``prefill_shapes``: its prefill
+    batches; ``max_admitted``: the most requests one step admits)."""
+    runner = executor.runner
+    adapted = executor.adapter_rows_change_the_program and runner.lora_pool is not None
+    for group in executor.warm_groups(prefill_shapes):
+        steps = group.steps
+        if adapted:
+            steps = steps + [dataclasses.replace(s, adapted=True) for s in steps]
+        lowered = [_lower(runner, step, *group.inputs(step)) for step in steps]
+        with ThreadPoolExecutor(max(1, compile_threads)) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        group.run(steps)
+    executor.warm_rest(max_admitted)
+
+
+def _lower(runner: object, step: WarmStep, args: tuple, kwargs: dict) -> object:
+    lower = runner.lower_decode if step.kind == "decode" else runner.lower_prefill
+    return lower(*args, **kwargs)

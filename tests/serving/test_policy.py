@@ -1,0 +1,210 @@
+"""The serving engine's scheduling policy alone: plain Python, no model, no device.
+
+Arrivals admitted first come, first served by free slots and pages; finishes freeing them;
+the newest sequence preempted on page exhaustion and recomputed with its tokens kept; chunked
+prefill within the ladders and the B*T budget; the dense (encoder-decoder) policy.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from spark_jax.serving.pages import PageAllocator
+from spark_jax.serving.scheduler import (
+    ChunkBudget,
+    Scheduler,
+    SequenceState,
+    StepPlan,
+    pow2_ladder,
+)
+
+
+def paged(slots=4, pages=8, page_size=4, max_batch_tokens=64, chunk_low=16, rows=4) -> Scheduler:
+    budget = ChunkBudget(max_batch_tokens, pow2_ladder(chunk_low, max_batch_tokens))
+    top = max(1, min(rows, max_batch_tokens // chunk_low))
+    return Scheduler(slots, pow2_ladder(1, top), PageAllocator(pages), page_size, budget)
+
+
+def seq(i: int, prompt_len: int) -> SequenceState:
+    return SequenceState(i, list(range(prompt_len)))
+
+
+def run_step(s: Scheduler) -> StepPlan:
+    """One step as the engine runs it: plan, (device), advance, one token per sampled row."""
+    plan = s.plan()
+    s.advance(plan)
+    for row in plan.samples:
+        row.generated.append(7)
+    return plan
+
+
+def test_the_policy_modules_import_no_jax():
+    for module in ("spark_jax.serving.scheduler", "spark_jax.serving.pages"):
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n and n.split(".")[0] in ("jax", "flax")], module
+
+
+def test_arrivals_are_admitted_first_come_first_served_by_free_slots_and_pages():
+    s = paged(slots=2, pages=8, page_size=4)
+    a, b, c = seq(0, 10), seq(1, 3), seq(2, 3)  # a needs 3 pages, b and c one each
+    for x in (a, b, c):
+        s.add(x)
+    plan = s.plan()
+    assert [r.seq for r in plan.prefill] == [a, b]  # two slots: c waits
+    assert [r.length for r in plan.prefill] == [10, 3] and plan.prefill_len == 16
+    assert plan.prefill_rows == 2 and not plan.decode
+    assert s.pages_in_use == 4 and s.slots_in_use == 2 and list(s.waiting) == [c]
+    assert a.admitted < b.admitted
+
+
+def test_a_head_of_queue_too_big_for_the_free_pages_blocks_those_behind_it():
+    s = paged(slots=4, pages=4, page_size=4)
+    big, small = seq(0, 13), seq(1, 2)  # big needs 4 pages
+    s.add(seq(9, 2))
+    run_step(s)  # one page taken
+    s.add(big)
+    s.add(small)
+    plan = s.plan()
+    assert not plan.prefill and list(s.waiting) == [big, small]  # FCFS: small does not jump
+
+
+def test_finishes_free_their_slot_and_pages_for_the_next_arrival():
+    s = paged(slots=1, pages=2, page_size=4)
+    a, b = seq(0, 8), seq(1, 8)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert s.slots_in_use == 1 and list(s.waiting) == [b]
+    s.release(a)  # finished
+    assert s.slots_in_use == 0 and s.pages_in_use == 0
+    plan = s.plan()
+    assert [r.seq for r in plan.prefill] == [b] and b.slot == 0
+
+
+def test_decode_rows_are_oldest_first_and_get_a_page_on_a_boundary():
+    s = paged(slots=2, pages=8, page_size=4)
+    a, b = seq(0, 4), seq(1, 3)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled and sampled
+    assert len(a.pages) == 1 and len(b.pages) == 1
+    plan = run_step(s)
+    assert plan.decode == [a, b]
+    assert len(a.pages) == 2 and len(b.pages) == 1  # a's 5th key starts a page, b's 4th not
+    assert a.num_computed == 5 and b.num_computed == 4
+
+
+def test_page_exhaustion_preempts_the_newest_which_is_recomputed_with_its_tokens():
+    s = paged(slots=2, pages=2, page_size=4)
+    old, new = seq(0, 4), seq(1, 4)
+    s.add(old)
+    s.add(new)
+    run_step(s)  # each holds its one page; both sampled a token
+    plan = s.plan()  # both cross a boundary: no page is free, so the newest goes
+    assert plan.preempted == [new] and plan.decode == [old]
+    assert not plan.prefill  # a step that preempted admits nobody
+    assert new.slot is None and new.pages == [] and new.num_computed == 0
+    assert list(s.waiting) == [new] and new.generated == [7]  # its output is kept
+    assert s.num_preemptions == 1 and new.num_preemptions == 1
+    s.advance(plan)
+    s.release(old)  # finished
+    plan = s.plan()
+    assert [(r.seq, r.start, r.length) for r in plan.prefill] == [(new, 0, 5)]
+    assert new.prefill_target == 5 and new.tokens == [0, 1, 2, 3, 7]  # prompt + output
+
+
+def test_a_sequence_preempted_by_an_older_one_in_the_same_step_does_not_decode():
+    s = paged(slots=3, pages=3, page_size=2)
+    a, b, c = seq(0, 2), seq(1, 2), seq(2, 2)
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)
+    plan = s.plan()  # a takes c's page; b then finds none and preempts itself
+    assert plan.decode == [a] and plan.preempted == [c, b]
+    assert list(s.waiting) == [b, c]  # both back at the head of the queue
+
+
+def test_chunked_prefill_respects_the_ladders_and_the_token_budget():
+    s = paged(slots=4, pages=64, page_size=4, max_batch_tokens=64, chunk_low=16, rows=4)
+    long, short = seq(0, 80), seq(1, 5)
+    s.add(long)
+    s.add(short)
+    plan = s.plan()
+    # Alone, long takes 64; a second row would halve the cap (2 rows x 32), which long's
+    # chunk already passes, so short waits.
+    assert [(r.seq, r.length) for r in plan.prefill] == [(long, 64)]
+    assert (plan.prefill_rows, plan.prefill_len) == (1, 64)
+    s.advance(plan)
+    plan = s.plan()  # long's last 16 fit beside a second row: short is admitted
+    assert [(r.seq, r.start, r.length) for r in plan.prefill] == [(long, 64, 16), (short, 0, 5)]
+    assert (plan.prefill_rows, plan.prefill_len) == (2, 16)
+    assert plan.samples == [long, short]
+    s.advance(plan)
+    for x in (long, short):
+        x.generated.append(7)
+    s.add(big := seq(2, 50))
+    plan = s.plan()  # two decode rows, then big's first chunk: one row alone, so 50
+    assert plan.decode == [long, short] and [(r.seq, r.length) for r in plan.prefill] == [(big, 50)]
+    assert (plan.prefill_rows, plan.prefill_len) == (1, 64)
+    s.add(mid := seq(3, 40))
+    s.advance(plan)
+    plan = s.plan()
+    assert [r.seq for r in plan.prefill] == [mid] and plan.prefill[0].length == 40
+    for shape in s.prefill_shapes():
+        assert shape[0] * shape[1] <= 64
+    assert (plan.prefill_rows, plan.prefill_len) in s.prefill_shapes()
+
+
+def test_the_row_ladder_caps_the_rows_of_one_prefill():
+    s = paged(slots=8, pages=64, page_size=4, max_batch_tokens=64, chunk_low=16, rows=2)
+    for i in range(5):
+        s.add(seq(i, 3))
+    plan = s.plan()
+    assert len(plan.prefill) == 2 and len(s.waiting) == 3
+
+
+def test_abort_takes_a_sequence_out_wherever_it_is():
+    s = paged(slots=1)
+    a, b = seq(0, 3), seq(1, 3)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.remove(b)  # waiting
+    s.remove(a)  # running
+    assert not s.waiting and s.slots_in_use == 0 and s.pages_in_use == 0
+    assert s.plan().empty
+
+
+def test_the_dense_policy_prefills_whole_sources_and_never_preempts():
+    s = Scheduler(3, pow2_ladder(1, 2))  # no pages, no chunks; 2 sources per step
+    seqs = [seq(i, 30 + i) for i in range(4)]
+    for x in seqs:
+        s.add(x)
+    plan = s.plan()
+    assert [(r.seq, r.length) for r in plan.prefill] == [(seqs[0], 30), (seqs[1], 31)]
+    assert plan.prefill_rows == 2 and plan.prefill_len == 0 and plan.samples == seqs[:2]
+    run_step_after(s, plan)
+    plan = run_step(s)
+    assert plan.decode == seqs[:2] and [r.seq for r in plan.prefill] == [seqs[2]]
+    for _ in range(50):  # long outputs never need pages
+        plan = run_step(s)
+        assert not plan.preempted and plan.decode == seqs[:3]
+    assert s.pages_in_use == 0 and list(s.waiting) == [seqs[3]]
+    assert s.prefill_shapes() == [(1, 0), (2, 0)]
+
+
+def run_step_after(s: Scheduler, plan: StepPlan) -> None:
+    s.advance(plan)
+    for row in plan.samples:
+        row.generated.append(7)
+
+
+def test_a_page_pool_needs_a_page_size():
+    with pytest.raises(ValueError, match="page_size"):
+        Scheduler(2, [1], PageAllocator(4))
