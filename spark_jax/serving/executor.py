@@ -28,9 +28,10 @@ import jax
 import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
+from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling, one_step, pick, run_chunk
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
-from spark_jax.ops.sampling import SamplerBatch, SamplingParams, count_tokens, sample
+from spark_jax.ops.sampling import SamplerBatch, SamplingParams
 from spark_jax.serving.pages import BlockTable
 from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
 
@@ -59,12 +60,6 @@ def upload(x: np.ndarray | np.generic) -> jax.Array:
 def _merge_rows(logits: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     """logits[slots[i]] = rows[i]; slots out of range (padding, unfinished chunks) dropped."""
     return logits.at[slots].set(rows, mode="drop")
-
-
-@partial(jax.jit, donate_argnames=("token_counts",))
-def _sample_rows(logits, batch: SamplerBatch, token_counts, prompt_mask, num_generated, active):
-    out = sample(logits, batch, token_counts, prompt_mask, num_generated)
-    return out, count_tokens(token_counts, out.tokens, active)
 
 
 @partial(jax.jit, donate_argnames=("token_counts", "prompt_mask"))
@@ -96,11 +91,11 @@ class WarmStep:
 
 @dataclass(frozen=True)
 class WarmGroup:
-    """Step shapes compiled together. ``inputs`` gives a step's fresh (args, kwargs) (each
-    run donates the cache, so every call builds its own); ``run`` runs the steps once."""
+    """Step shapes compiled together. ``lower`` traces a step's program on fresh inputs
+    (each run donates the cache, so every call builds its own); ``run`` runs the steps once."""
 
     steps: list[WarmStep]
-    inputs: Callable[[WarmStep], tuple[tuple, dict[str, Any]]]
+    lower: Callable[[WarmStep], jax.stages.Lowered]
     run: Callable[[list[WarmStep]], None]
 
 
@@ -114,9 +109,16 @@ def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) ->
         )
 
 
-class SlotSampler:
-    """The sampler over every slot: per-slot token counts and prompt masks, and the batch of
-    sampling settings, rebuilt when the slots' owners change."""
+# Every serving step samples every row with the full sampler and its logprob fields, so one
+# program serves any mix of requests (the fields are read back only when a row asks).
+RULE = Sampling(greedy=False, want_logprobs=True)
+
+
+class SlotPicker:
+    """The generation core's sampling over every slot (``step.Sampling``): per-slot token
+    counts (the carry's picker state) and prompt masks, and the rows' sampling settings,
+    rebuilt when the slots' owners change. A step's decode rows are one ``run_chunk`` of one
+    step; rows that end their prefill are picked from their prefill's logits (``pick``)."""
 
     def __init__(self, num_slots: int, vocab_size: int, eos_token_ids: Sequence[int]):
         self.num_slots = num_slots
@@ -126,10 +128,11 @@ class SlotSampler:
         self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
         self.zero_logits = commit(np.zeros((num_slots, vocab_size), np.float32))
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
-        self._batch: SamplerBatch | None = None
+        self._rows: SampleRows | None = None
 
     def sync(self, slots: Sequence[SequenceState | None]) -> None:
-        """New owners get their sampler rows (output so far, prompt); the batch is rebuilt."""
+        """New owners get their sampler rows (output so far, prompt); the settings are
+        rebuilt."""
         owners = [None if s is None else s.admitted for s in slots]
         if owners == self._owners:
             return
@@ -137,7 +140,7 @@ class SlotSampler:
             if seq is not None and seq.admitted != old:
                 self._set_row(seq)
         self._owners = owners
-        self._batch = None
+        self._rows = None
 
     def _set_row(self, seq: SequenceState) -> None:
         vocab = self.vocab_size
@@ -151,47 +154,75 @@ class SlotSampler:
             upload(mask[:vocab]),
         )
 
-    def sample(
-        self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
-    ) -> HostTokens | None:
-        if not rows:
-            return None
-        if self._batch is None:
-            self._batch = self.batch([None if s is None else s.params for s in slots])
+    def rows(self, slots: Sequence[SequenceState | None]) -> SampleRows:
+        """Every slot's sampling settings (an empty slot samples greedily, unread)."""
+        if self._rows is None:
+            params = [None if s is None else s.params for s in slots]
+            max_tokens = [0 if s is None else s.params.max_tokens for s in slots]
+            self._rows = SampleRows(
+                self.batch(params), self.prompt_mask, upload(np.asarray(max_tokens, np.int32))
+            )
+        return dataclasses.replace(self._rows, prompt_mask=self.prompt_mask)
+
+    def carry(self, state: Any, rows: list[SequenceState], tokens: np.ndarray | None) -> Carry:
+        """The core's carry over every slot: ``rows`` active, each at its generated count."""
         active = np.zeros((self.num_slots,), bool)
         generated = np.zeros((self.num_slots,), np.int32)
         for seq in rows:
             active[seq.slot] = True
             generated[seq.slot] = len(seq.generated)
-        out, self.counts = _sample_rows(
-            logits,
-            self._batch,
-            self.counts,
-            self.prompt_mask,
-            upload(generated),
-            upload(active),
+        if tokens is None:
+            tokens = np.zeros((self.num_slots,), np.int32)
+        return Carry(state, upload(tokens), upload(active), upload(generated), self.counts)
+
+    def decode(
+        self,
+        runner: Any,
+        state: Any,
+        rows: list[SequenceState],
+        slots: Sequence[SequenceState | None],
+    ) -> tuple[Any, Chunk]:
+        """One decode step of ``rows`` (every cache row runs, the others masked) with their
+        next tokens picked: the core's one-step chunk. Returns the cache and the record."""
+        tokens = np.zeros((self.num_slots,), np.int32)
+        for seq in rows:
+            tokens[seq.slot] = seq.generated[-1]
+        carry = self.carry(state, rows, tokens)
+        adapters = [-1 if s is None else s.adapter for s in slots]
+        lora = None if runner.lora_pool is None else runner.lora_input(adapters)
+        carry, record = run_chunk(
+            runner.decode_fn, RULE, runner.params, lora, carry, self.rows(slots), num_steps=1
         )
-        if any(s.params.logprobs is not None for s in rows):
-            return HostTokens(*(np.asarray(x) for x in jax.device_get(out)))
-        return HostTokens(np.asarray(out.tokens))
+        self.counts = carry.picker
+        return carry.state, record
+
+    def pick(
+        self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
+    ) -> Chunk:
+        """The next tokens of ``rows`` from ``logits`` [slots, V] (their prefill's)."""
+        carry, record = pick(RULE, logits, self.carry(None, rows, None), self.rows(slots))
+        self.counts = carry.picker
+        return record
 
     def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
         return SamplerBatch.from_params(
             params, self.vocab_size, self.eos_token_ids, min_width=SAMPLER_WIDTH
         )
 
-    def warm(self, logits: jax.Array) -> None:
-        """Runs the sampler and the row setter once on no row (a slot out of range)."""
-        n, vocab = self.num_slots, self.vocab_size
-        none = upload(np.zeros((n,), bool))
-        out, self.counts = _sample_rows(
-            logits,
-            self.batch([None] * n),
-            self.counts,
-            self.prompt_mask,
-            upload(np.zeros((n,), np.int32)),
-            none,
+    def lower_decode(self, runner: Any, state: Any, adapters: list[int]) -> jax.stages.Lowered:
+        """The decode step's program (the core's one-step chunk), traced for warm-up."""
+        n = self.num_slots
+        lora = None if runner.lora_pool is None else runner.lora_input(adapters)
+        rows = SampleRows(self.batch([None] * n), self.prompt_mask, upload(np.zeros(n, np.int32)))
+        return one_step.lower(
+            runner.decode_fn, RULE, runner.params, lora, self.carry(state, [], None), rows
         )
+
+    def warm(self) -> None:
+        """Runs the pick and the row setter once on no row (a slot out of range)."""
+        n, vocab = self.num_slots, self.vocab_size
+        self._rows = None
+        record = self.pick(self.zero_logits, [], [None] * n)
         self.counts, self.prompt_mask = _set_row(
             self.counts,
             self.prompt_mask,
@@ -199,20 +230,28 @@ class SlotSampler:
             upload(np.zeros((vocab,), np.int32)),
             upload(np.zeros((vocab,), bool)),
         )
-        jax.block_until_ready((out, self.counts))
+        self._rows = None
+        jax.block_until_ready((record, self.counts))
 
 
-def _decode_inputs(
-    rows: list[SequenceState], slots: Sequence[SequenceState | None]
-) -> tuple[jax.Array, jax.Array, list[int]]:
-    """Every cache row's next input token, whether it decodes, and its adapter."""
-    tokens = np.zeros((len(slots),), np.int32)
-    active = np.zeros((len(slots),), bool)
-    for seq in rows:
-        tokens[seq.slot] = seq.generated[-1]
-        active[seq.slot] = True
-    adapters = [-1 if s is None else s.adapter for s in slots]
-    return upload(tokens), upload(active), adapters
+def host_picks(
+    records: list[tuple[Chunk, list[SequenceState]]], num_slots: int
+) -> HostTokens | None:
+    """The picks of every sampled row on the host, by slot, in one transfer; the logprob
+    fields only when one of the rows asks for them."""
+    records = [(record, rows) for record, rows in records if rows]
+    if not records:
+        return None
+    want = any(s.params.logprobs is not None for _, rows in records for s in rows)
+    fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
+    # Whole fields, sliced here: slicing on the device would be a program of its own.
+    host = jax.device_get([[getattr(r, f) for f in fields] for r, _ in records])
+    out = [np.array(x[:, 0]) for x in host[0]]
+    for (_, rows), arrays in zip(records[1:], host[1:], strict=True):
+        slots = [s.slot for s in rows]
+        for merged, array in zip(out, arrays, strict=True):
+            merged[slots] = array[slots, 0]
+    return HostTokens(*out)
 
 
 def _sampled_targets(rows: list[PrefillRow], padded: int, nowhere: int) -> np.ndarray:
@@ -258,7 +297,7 @@ class PagedExecutor:
             # decode shape instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
-        self.sampler = SlotSampler(num_slots, c.vocab_size, model.eos_token_ids)
+        self.sampler = SlotPicker(num_slots, c.vocab_size, model.eos_token_ids)
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
@@ -283,18 +322,21 @@ class PagedExecutor:
         running = [s for s in slots if s is not None]
         self.table.sync(running)
         self.sampler.sync(slots)
-        logits = self.sampler.zero_logits
+        records = []
         if plan.decode:
             width = rung(self.width_ladder, max(len(s.pages) for s in running))
-            tokens, active, adapters = _decode_inputs(plan.decode, slots)
-            logits, self.state = self.runner.decode(
-                self._device_state(width), tokens, active, **self._lora(adapters)
+            self.state, decoded = self.sampler.decode(
+                self.runner, self._device_state(width), plan.decode, slots
             )
+            records.append((decoded, plan.decode))
             for seq in plan.decode:
                 self.table.lengths[seq.slot] += 1
         if plan.prefill:
-            logits = self._prefill(plan, logits)
-        return self.sampler.sample(logits, plan.samples, slots)
+            logits = self._prefill(plan, self.sampler.zero_logits)
+            prefilled = [r.seq for r in plan.prefill if r.last]
+            if prefilled:
+                records.append((self.sampler.pick(logits, prefilled, slots), prefilled))
+        return host_picks(records, self.num_slots)
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Runs the chunks; the rows that finished their prefill get their logits merged in."""
@@ -325,11 +367,15 @@ class PagedExecutor:
         """Every decode width and (rows, chunk) prefill batch, run on rows out of range."""
         steps = [WarmStep("decode", (w,)) for w in self.width_ladder]
         steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
-        return [WarmGroup(steps, self.warm_inputs, partial(_run_warm_steps, self))]
+        return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
     def warm_rest(self, max_admitted: int) -> None:
         """Nothing beyond the steps and the sampler (no beam lane)."""
         del max_admitted
+
+    def lower(self, step: WarmStep) -> jax.stages.Lowered:
+        """The program of one warm-up step, traced but not compiled."""
+        return _lower(self, step)
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         if step.kind == "decode":  # no active row, over an empty block table
@@ -346,6 +392,16 @@ class PagedExecutor:
         return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
 
 
+def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stages.Lowered:
+    """A warm-up step's program: the decode step as the core's one-step chunk (inputs made
+    as a run makes them), a prefill as the runner's."""
+    args, kwargs = executor.warm_inputs(step)
+    if step.kind == "decode":
+        adapters = kwargs.get("adapters", [-1] * executor.num_slots)
+        return executor.sampler.lower_decode(executor.runner, args[0], adapters)
+    return executor.runner.lower_prefill(*args, **kwargs)
+
+
 def _warm_adapters(rows: int, adapted: bool) -> list[int]:
     """A warm-up batch's adapters: the base, or (``adapted``) adapter 0 in the first row."""
     return [0 if adapted and i == 0 else -1 for i in range(rows)]
@@ -353,19 +409,17 @@ def _warm_adapters(rows: int, adapted: bool) -> list[int]:
 
 def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmStep]) -> None:
     """Runs each base step once (its adapter variants are compiled only), merging every
-    prefill's logits into both kinds of logits a run merges into, then warms the sampler."""
+    prefill's logits as a run does, then warms the pick."""
     runner, sampler = executor.runner, executor.sampler
-    logits = sampler.zero_logits
     for step in [s for s in steps if not s.adapted]:
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
-            logits, executor.state = runner.decode(*args, **kwargs)
+            executor.state, _ = sampler.decode(runner, args[0], [], [None] * executor.num_slots)
             continue
         chunk_logits, executor.state = runner.prefill(*args, **kwargs)
         targets = upload(np.full((step.shape[0],), executor.num_slots, np.int32))
-        logits = _merge_rows(logits, chunk_logits, targets)
-        logits = _merge_rows(sampler.zero_logits, chunk_logits, targets)
-    sampler.warm(logits)
+        _merge_rows(sampler.zero_logits, chunk_logits, targets)
+    sampler.warm()
 
 
 class DenseExecutor:
@@ -393,7 +447,7 @@ class DenseExecutor:
         self.max_source_len = max_source_len
         self.max_num_beams = max_num_beams
         self.state = commit(self.runner.init_state(num_slots, max_model_len, max_source_len))
-        self.sampler = SlotSampler(num_slots, model.config.vocab_size, model.eos_token_ids)
+        self.sampler = SlotPicker(num_slots, model.config.vocab_size, model.eos_token_ids)
         self.new_beam_lane()
 
     def new_beam_lane(self) -> None:
@@ -415,15 +469,15 @@ class DenseExecutor:
         """Runs one step's decode rows and whole-source prefills; the picks of those that
         sample (every row: a source's prefill ends in the step that admits it)."""
         self.sampler.sync(slots)
-        logits = self.sampler.zero_logits
+        records = []
         if plan.decode:
-            tokens, active, adapters = _decode_inputs(plan.decode, slots)
-            logits, self.state = self.runner.decode(
-                self.state, tokens, active, **self._lora(adapters)
-            )
+            self.state, decoded = self.sampler.decode(self.runner, self.state, plan.decode, slots)
+            records.append((decoded, plan.decode))
         if plan.prefill:
-            logits = self._prefill(plan, logits)
-        return self.sampler.sample(logits, plan.samples, slots)
+            logits = self._prefill(plan, self.sampler.zero_logits)
+            prefilled = [r.seq for r in plan.prefill if r.last]
+            records.append((self.sampler.pick(logits, prefilled, slots), prefilled))
+        return host_picks(records, self.num_slots)
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Encodes the admitted sources and seeds their decoders; merges their first logits."""
@@ -462,9 +516,13 @@ class DenseExecutor:
         steps = [WarmStep("decode", ())] + [WarmStep("prefill", s) for s in prefill_shapes]
         beam_steps = [WarmStep("prefill", s) for s in prefill_shapes]
         return [
-            WarmGroup(steps, self.warm_inputs, partial(_run_warm_steps, self)),
-            WarmGroup(beam_steps, self._beam_warm_inputs, self._run_beam_prefills),
+            WarmGroup(steps, self.lower, partial(_run_warm_steps, self)),
+            WarmGroup(beam_steps, self._lower_beam_prefill, self._run_beam_prefills),
         ]
+
+    def lower(self, step: WarmStep) -> jax.stages.Lowered:
+        """The program of one warm-up step, traced but not compiled."""
+        return _lower(self, step)
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         n = self.num_slots
@@ -480,6 +538,10 @@ class DenseExecutor:
     def _beam_warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         args, kwargs = self.warm_inputs(step)
         return (self.beams.carry.state, *args[1:]), kwargs
+
+    def _lower_beam_prefill(self, step: WarmStep) -> jax.stages.Lowered:
+        args, kwargs = self._beam_warm_inputs(step)
+        return self.runner.lower_prefill(*args, **kwargs)
 
     def _run_beam_prefills(self, steps: list[WarmStep]) -> None:
         for step in steps:  # variants too: nothing else runs them

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
-from spark_jax.serving.executor import DenseExecutor, PagedExecutor, WarmStep
+from spark_jax.serving.executor import DenseExecutor, PagedExecutor
 
 
 def warmup(
@@ -30,13 +30,8 @@ def warmup(
         steps = group.steps
         if adapted:
             steps = steps + [dataclasses.replace(s, adapted=True) for s in steps]
-        lowered = [_lower(runner, step, *group.inputs(step)) for step in steps]
+        lowered = [group.lower(step) for step in steps]
         with ThreadPoolExecutor(max(1, compile_threads)) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
         group.run(steps)
     executor.warm_rest(max_admitted)
-
-
-def _lower(runner: object, step: WarmStep, args: tuple, kwargs: dict) -> object:
-    lower = runner.lower_decode if step.kind == "decode" else runner.lower_prefill
-    return lower(*args, **kwargs)
