@@ -155,13 +155,13 @@ def random_params(config: Any, dtype: str, seed: int = 0) -> Any:
 
 
 def has_options() -> bool:
-    """Whether the tree under test takes options objects (KernelOptions, LoopOptions)."""
-    try:
-        from spark_jax.generation.step import LoopOptions  # noqa: F401
-        from spark_jax.ops.options import KernelOptions  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the tree under test takes options objects (KernelOptions, LoopOptions): read
+    off the files of the spark_jax actually imported (an editable install elsewhere could
+    otherwise lend an older tree the newer tree's modules)."""
+    import spark_jax
+
+    root = Path(spark_jax.__file__).parent
+    return (root / "ops" / "options.py").is_file() and (root / "generation" / "step.py").is_file()
 
 
 def kernel_options(**fields: Any) -> dict[str, Any]:
@@ -169,10 +169,10 @@ def kernel_options(**fields: Any) -> dict[str, Any]:
     ``{}`` for the defaults, so a tree without the options runs the very same call."""
     if not fields:
         return {}
-    try:
-        from spark_jax.ops.options import KernelOptions
-    except ImportError as error:
-        raise Unsupported(f"this tree has no KernelOptions ({fields} not measurable)") from error
+    if not has_options():
+        raise Unsupported(f"this tree has no KernelOptions ({fields} not measurable)")
+    from spark_jax.ops.options import KernelOptions
+
     return {"options": KernelOptions(**fields)}
 
 
@@ -181,10 +181,10 @@ def loop_options(**fields: Any) -> dict[str, Any]:
     options; ``{}`` for the defaults."""
     if not fields:
         return {}
-    try:
-        from spark_jax.generation.step import LoopOptions
-    except ImportError as error:
-        raise Unsupported(f"this tree has no LoopOptions ({fields} not measurable)") from error
+    if not has_options():
+        raise Unsupported(f"this tree has no LoopOptions ({fields} not measurable)")
+    from spark_jax.generation.step import LoopOptions
+
     return {"loop": LoopOptions(**fields)}
 
 
