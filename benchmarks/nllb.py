@@ -78,7 +78,10 @@ TINY = Plan(512, 32, 2, 4, 64, 128, 4, (8, 12), 8, 4, 2)
 
 def language_ids(vocab_size: int) -> dict[str, int]:
     """NLLB's id layout: the 202 language codes sit just below <mask> at the vocab's end."""
-    from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES
+    try:
+        from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES
+    except ImportError:  # a tree from before the tokenizer package (for --against)
+        from spark_jax.nllb_languages import FAIRSEQ_LANGUAGE_CODES
 
     first = vocab_size - LANGUAGE_CODES_FROM_END
     return {code: first + i for i, code in enumerate(FAIRSEQ_LANGUAGE_CODES)}

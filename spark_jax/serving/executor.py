@@ -2,8 +2,9 @@
 
 Given a ``StepPlan`` and the slots' sequences, ``run`` builds the device inputs, runs the
 runner's decode step over every cache row (idle rows masked, so its shape never changes),
-then the prefill batch, merges the logits of the rows that sample, and samples them all with
-one jitted sampler; it returns the picks on the host, indexed by slot.
+then the prefill batch, merges the logits of the rows that sample, and picks all their next
+tokens with the generation core's sampling rule (``step.pick``); it returns the picks on the
+host, indexed by slot.
 
 - ``PagedExecutor``: a decoder-only model over a paged KV cache. The host block table moves
   with the sequences' pages; on the GPU the decode step's attention reads each row's pages
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
-from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling, one_step, pick, run_chunk
+from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling, pick
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplingParams
@@ -115,10 +116,15 @@ RULE = Sampling(greedy=False, want_logprobs=True)
 
 
 class SlotPicker:
-    """The generation core's sampling over every slot (``step.Sampling``): per-slot token
-    counts (the carry's picker state) and prompt masks, and the rows' sampling settings,
-    rebuilt when the slots' owners change. A step's decode rows are one ``run_chunk`` of one
-    step; rows that end their prefill are picked from their prefill's logits (``pick``)."""
+    """The generation core's sampling over every slot (``step.Sampling``, run by
+    ``step.pick`` on a step's logits): per-slot token counts (the carry's picker state) and
+    prompt masks, and the rows' sampling settings, rebuilt when the slots' owners change.
+
+    A serving step is the core's step split in its two halves, the model's forward and the
+    rule's pick, because the rows that end their prefill in the step are picked with the
+    decoding rows: their logits are merged between the two, and one pick serves all of
+    them (the decode step and the pick as one program measured slower on the H200).
+    """
 
     def __init__(self, num_slots: int, vocab_size: int, eos_token_ids: Sequence[int]):
         self.num_slots = num_slots
@@ -175,27 +181,6 @@ class SlotPicker:
             tokens = np.zeros((self.num_slots,), np.int32)
         return Carry(state, upload(tokens), upload(active), upload(generated), self.counts)
 
-    def decode(
-        self,
-        runner: Any,
-        state: Any,
-        rows: list[SequenceState],
-        slots: Sequence[SequenceState | None],
-    ) -> tuple[Any, Chunk]:
-        """One decode step of ``rows`` (every cache row runs, the others masked) with their
-        next tokens picked: the core's one-step chunk. Returns the cache and the record."""
-        tokens = np.zeros((self.num_slots,), np.int32)
-        for seq in rows:
-            tokens[seq.slot] = seq.generated[-1]
-        carry = self.carry(state, rows, tokens)
-        adapters = [-1 if s is None else s.adapter for s in slots]
-        lora = None if runner.lora_pool is None else runner.lora_input(adapters)
-        carry, record = run_chunk(
-            runner.decode_fn, RULE, runner.params, lora, carry, self.rows(slots), num_steps=1
-        )
-        self.counts = carry.picker
-        return carry.state, record
-
     def pick(
         self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
     ) -> Chunk:
@@ -209,20 +194,11 @@ class SlotPicker:
             params, self.vocab_size, self.eos_token_ids, min_width=SAMPLER_WIDTH
         )
 
-    def lower_decode(self, runner: Any, state: Any, adapters: list[int]) -> jax.stages.Lowered:
-        """The decode step's program (the core's one-step chunk), traced for warm-up."""
-        n = self.num_slots
-        lora = None if runner.lora_pool is None else runner.lora_input(adapters)
-        rows = SampleRows(self.batch([None] * n), self.prompt_mask, upload(np.zeros(n, np.int32)))
-        return one_step.lower(
-            runner.decode_fn, RULE, runner.params, lora, self.carry(state, [], None), rows
-        )
-
-    def warm(self) -> None:
+    def warm(self, logits: jax.Array) -> None:
         """Runs the pick and the row setter once on no row (a slot out of range)."""
         n, vocab = self.num_slots, self.vocab_size
         self._rows = None
-        record = self.pick(self.zero_logits, [], [None] * n)
+        record = self.pick(logits, [], [None] * n)
         self.counts, self.prompt_mask = _set_row(
             self.counts,
             self.prompt_mask,
@@ -234,9 +210,7 @@ class SlotPicker:
         jax.block_until_ready((record, self.counts))
 
 
-def host_picks(
-    records: list[tuple[Chunk, list[SequenceState]]], num_slots: int
-) -> HostTokens | None:
+def host_picks(records: list[tuple[Chunk, list[SequenceState]]]) -> HostTokens | None:
     """The picks of every sampled row on the host, by slot, in one transfer; the logprob
     fields only when one of the rows asks for them."""
     records = [(record, rows) for record, rows in records if rows]
@@ -252,6 +226,19 @@ def host_picks(
         for merged, array in zip(out, arrays, strict=True):
             merged[slots] = array[slots, 0]
     return HostTokens(*out)
+
+
+def _decode_inputs(
+    rows: list[SequenceState], slots: Sequence[SequenceState | None]
+) -> tuple[jax.Array, jax.Array, list[int]]:
+    """Every cache row's next input token, whether it decodes, and its adapter."""
+    tokens = np.zeros((len(slots),), np.int32)
+    active = np.zeros((len(slots),), bool)
+    for seq in rows:
+        tokens[seq.slot] = seq.generated[-1]
+        active[seq.slot] = True
+    adapters = [-1 if s is None else s.adapter for s in slots]
+    return upload(tokens), upload(active), adapters
 
 
 def _sampled_targets(rows: list[PrefillRow], padded: int, nowhere: int) -> np.ndarray:
@@ -322,21 +309,20 @@ class PagedExecutor:
         running = [s for s in slots if s is not None]
         self.table.sync(running)
         self.sampler.sync(slots)
-        records = []
+        logits = self.sampler.zero_logits
         if plan.decode:
             width = rung(self.width_ladder, max(len(s.pages) for s in running))
-            self.state, decoded = self.sampler.decode(
-                self.runner, self._device_state(width), plan.decode, slots
+            tokens, active, adapters = _decode_inputs(plan.decode, slots)
+            logits, self.state = self.runner.decode(
+                self._device_state(width), tokens, active, **self._lora(adapters)
             )
-            records.append((decoded, plan.decode))
             for seq in plan.decode:
                 self.table.lengths[seq.slot] += 1
         if plan.prefill:
-            logits = self._prefill(plan, self.sampler.zero_logits)
-            prefilled = [r.seq for r in plan.prefill if r.last]
-            if prefilled:
-                records.append((self.sampler.pick(logits, prefilled, slots), prefilled))
-        return host_picks(records, self.num_slots)
+            logits = self._prefill(plan, logits)
+        if not plan.samples:
+            return None
+        return host_picks([(self.sampler.pick(logits, plan.samples, slots), plan.samples)])
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Runs the chunks; the rows that finished their prefill get their logits merged in."""
@@ -393,13 +379,10 @@ class PagedExecutor:
 
 
 def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stages.Lowered:
-    """A warm-up step's program: the decode step as the core's one-step chunk (inputs made
-    as a run makes them), a prefill as the runner's."""
+    """A warm-up step's program (inputs made as a run makes them)."""
     args, kwargs = executor.warm_inputs(step)
-    if step.kind == "decode":
-        adapters = kwargs.get("adapters", [-1] * executor.num_slots)
-        return executor.sampler.lower_decode(executor.runner, args[0], adapters)
-    return executor.runner.lower_prefill(*args, **kwargs)
+    lower = executor.runner.lower_decode if step.kind == "decode" else executor.runner.lower_prefill
+    return lower(*args, **kwargs)
 
 
 def _warm_adapters(rows: int, adapted: bool) -> list[int]:
@@ -409,17 +392,19 @@ def _warm_adapters(rows: int, adapted: bool) -> list[int]:
 
 def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmStep]) -> None:
     """Runs each base step once (its adapter variants are compiled only), merging every
-    prefill's logits as a run does, then warms the pick."""
+    prefill's logits into both kinds of logits a run merges into, then warms the pick."""
     runner, sampler = executor.runner, executor.sampler
+    logits = sampler.zero_logits
     for step in [s for s in steps if not s.adapted]:
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
-            executor.state, _ = sampler.decode(runner, args[0], [], [None] * executor.num_slots)
+            logits, executor.state = runner.decode(*args, **kwargs)
             continue
         chunk_logits, executor.state = runner.prefill(*args, **kwargs)
         targets = upload(np.full((step.shape[0],), executor.num_slots, np.int32))
-        _merge_rows(sampler.zero_logits, chunk_logits, targets)
-    sampler.warm()
+        logits = _merge_rows(logits, chunk_logits, targets)
+        logits = _merge_rows(sampler.zero_logits, chunk_logits, targets)
+    sampler.warm(logits)
 
 
 class DenseExecutor:
@@ -469,15 +454,17 @@ class DenseExecutor:
         """Runs one step's decode rows and whole-source prefills; the picks of those that
         sample (every row: a source's prefill ends in the step that admits it)."""
         self.sampler.sync(slots)
-        records = []
+        logits = self.sampler.zero_logits
         if plan.decode:
-            self.state, decoded = self.sampler.decode(self.runner, self.state, plan.decode, slots)
-            records.append((decoded, plan.decode))
+            tokens, active, adapters = _decode_inputs(plan.decode, slots)
+            logits, self.state = self.runner.decode(
+                self.state, tokens, active, **self._lora(adapters)
+            )
         if plan.prefill:
-            logits = self._prefill(plan, self.sampler.zero_logits)
-            prefilled = [r.seq for r in plan.prefill if r.last]
-            records.append((self.sampler.pick(logits, prefilled, slots), prefilled))
-        return host_picks(records, self.num_slots)
+            logits = self._prefill(plan, logits)
+        if not plan.samples:
+            return None
+        return host_picks([(self.sampler.pick(logits, plan.samples, slots), plan.samples)])
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Encodes the admitted sources and seeds their decoders; merges their first logits."""
