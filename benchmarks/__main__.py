@@ -40,16 +40,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --against: old and new alternate this many times; each figure is the median",
     )
     parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="serving: the client concurrency levels to run (default: the plan's)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=None, help="serving: finished requests per level"
+    )
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
     parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
     parser.add_argument("--peer-arg", default="", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def run_child(suite: str, tiny: bool, tree: Path, out: Path) -> dict:
+def run_child(suite: str, tiny: bool, tree: Path, out: Path, extra: list[str]) -> dict:
     """The suite in a child process with ``tree``'s spark_jax, peers left out."""
     command = [sys.executable, "-m", "benchmarks", suite, "--tree", str(tree), "--no-peer"]
-    command += ["--out", str(out)] + (["--tiny"] if tiny else [])
+    command += ["--out", str(out)] + (["--tiny"] if tiny else []) + list(extra)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -69,8 +79,9 @@ def against(args: argparse.Namespace) -> None:
     olds, news = [], []
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(max(1, args.rounds)):
-            olds.append(run_child(args.suite, args.tiny, old_tree, Path(scratch) / f"old{i}.json"))
-            news.append(run_child(args.suite, args.tiny, REPO, Path(scratch) / f"new{i}.json"))
+            for trees, tree, name in ((olds, old_tree, "old"), (news, REPO, "new")):
+                out = Path(scratch) / f"{name}{i}.json"
+                trees.append(run_child(args.suite, args.tiny, tree, out, plan_args(args)))
     old, new = median_figures(olds), median_figures(news)
     ratios = {
         name: new["figures"][name] / value
@@ -93,6 +104,26 @@ def against(args: argparse.Namespace) -> None:
         ["figure", "old", "new", "new/old"],
         [[n, old["figures"][n], new["figures"].get(n), ratios.get(n)] for n in old["figures"]],
     )
+
+
+def plan_args(args: argparse.Namespace) -> list[str]:
+    """The plan overrides of the command line, as arguments for a child run."""
+    out = []
+    if args.concurrency:
+        out += ["--concurrency", *map(str, args.concurrency)]
+    if args.requests:
+        out += ["--requests", str(args.requests)]
+    return out
+
+
+def plan_overrides(args: argparse.Namespace) -> dict:
+    """The plan overrides of the command line, as keyword arguments of a suite's ``run``."""
+    out = {}
+    if args.concurrency:
+        out["concurrency"] = tuple(args.concurrency)
+    if args.requests:
+        out["requests"] = args.requests
+    return out
 
 
 def median_figures(lines: list[dict]) -> dict:
@@ -121,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import print_table, result_line, write_json
 
     start = time.perf_counter()
-    report = suite.run(args.tiny, peer=not args.no_peer)
+    report = suite.run(args.tiny, peer=not args.no_peer, **plan_overrides(args))
     line = result_line(args.suite, args.tiny, report, time.perf_counter() - start)
     write_json(line, args.suite, args.out)
     print(json.dumps(line, sort_keys=True, default=str), flush=True)

@@ -252,8 +252,11 @@ def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None
         torch.cuda.synchronize()
 
 
-def run(tiny: bool, peer: bool = True) -> Report:
-    plan = SMALL if tiny else FULL
+def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
+    """The suite; ``overrides`` replace plan fields (``concurrency``, ``requests``), and a
+    level then finishes ``requests`` requests whatever its concurrency."""
+    plan = dataclasses.replace(SMALL if tiny else FULL, **overrides)
+    per_level = (lambda c: plan.requests) if "requests" in overrides else None
     report = Report()
     if not peer:
         hf: dict[str, Any] = {"error": "left out (--no-peer)"}
@@ -271,7 +274,8 @@ def run(tiny: bool, peer: bool = True) -> Report:
         report.notes.append(f"HF peer: {hf.get('error', '')[-300:]}")
     table = [["C", "tok/s", "x HF", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]]
     for c in plan.concurrency:
-        level = run_level(engine, requests[: min(plan.requests, max(32, 4 * c))], c)
+        count = per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
+        level = run_level(engine, requests[:count], c)
         report.details[f"c{c}"] = level
         report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
         report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
