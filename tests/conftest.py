@@ -3,6 +3,9 @@ weights as spark_jax models, the real SmolLM2)."""
 
 from __future__ import annotations
 
+import gc
+
+import jax
 import pytest
 import torch
 from helpers import HF_BUILDERS, model_from_hf, smollm2_gguf_path
@@ -49,3 +52,12 @@ def hf_smollm2():
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees each test module's compiled programs when it ends: the whole suite's unrolled
+    models would otherwise stay compiled together and outgrow a CI machine's memory."""
+    yield
+    jax.clear_caches()
+    gc.collect()
