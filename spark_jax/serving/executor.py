@@ -170,22 +170,22 @@ class SlotPicker:
             )
         return dataclasses.replace(self._rows, prompt_mask=self.prompt_mask)
 
-    def carry(self, state: Any, rows: list[SequenceState], tokens: np.ndarray | None) -> Carry:
-        """The core's carry over every slot: ``rows`` active, each at its generated count."""
+    def carry(self, rows: list[SequenceState]) -> Carry:
+        """The core's carry of a pick over every slot: ``rows`` active, each at its generated
+        count (no cache: a pick runs no model step)."""
         active = np.zeros((self.num_slots,), bool)
         generated = np.zeros((self.num_slots,), np.int32)
         for seq in rows:
             active[seq.slot] = True
             generated[seq.slot] = len(seq.generated)
-        if tokens is None:
-            tokens = np.zeros((self.num_slots,), np.int32)
-        return Carry(state, upload(tokens), upload(active), upload(generated), self.counts)
+        tokens = np.zeros((self.num_slots,), np.int32)
+        return Carry(None, upload(tokens), upload(active), upload(generated), self.counts)
 
     def pick(
         self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
     ) -> Chunk:
         """The next tokens of ``rows`` from ``logits`` [slots, V] (their prefill's)."""
-        carry, record = pick(RULE, logits, self.carry(None, rows, None), self.rows(slots))
+        carry, record = pick(RULE, logits, self.carry(rows), self.rows(slots))
         self.counts = carry.picker
         return record
 
@@ -210,22 +210,14 @@ class SlotPicker:
         jax.block_until_ready((record, self.counts))
 
 
-def host_picks(records: list[tuple[Chunk, list[SequenceState]]]) -> HostTokens | None:
-    """The picks of every sampled row on the host, by slot, in one transfer; the logprob
+def host_picks(record: Chunk, rows: list[SequenceState]) -> HostTokens:
+    """The picks of a step's sampled rows on the host, by slot, in one transfer; the logprob
     fields only when one of the rows asks for them."""
-    records = [(record, rows) for record, rows in records if rows]
-    if not records:
-        return None
-    want = any(s.params.logprobs is not None for _, rows in records for s in rows)
+    want = any(s.params.logprobs is not None for s in rows)
     fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
     # Whole fields, sliced here: slicing on the device would be a program of its own.
-    host = jax.device_get([[getattr(r, f) for f in fields] for r, _ in records])
-    out = [np.array(x[:, 0]) for x in host[0]]
-    for (_, rows), arrays in zip(records[1:], host[1:], strict=True):
-        slots = [s.slot for s in rows]
-        for merged, array in zip(out, arrays, strict=True):
-            merged[slots] = array[slots, 0]
-    return HostTokens(*out)
+    host = jax.device_get([getattr(record, f) for f in fields])
+    return HostTokens(*(np.asarray(x[:, 0]) for x in host))
 
 
 def _decode_inputs(
@@ -322,7 +314,7 @@ class PagedExecutor:
             logits = self._prefill(plan, logits)
         if not plan.samples:
             return None
-        return host_picks([(self.sampler.pick(logits, plan.samples, slots), plan.samples)])
+        return host_picks(self.sampler.pick(logits, plan.samples, slots), plan.samples)
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Runs the chunks; the rows that finished their prefill get their logits merged in."""
@@ -464,7 +456,7 @@ class DenseExecutor:
             logits = self._prefill(plan, logits)
         if not plan.samples:
             return None
-        return host_picks([(self.sampler.pick(logits, plan.samples, slots), plan.samples)])
+        return host_picks(self.sampler.pick(logits, plan.samples, slots), plan.samples)
 
     def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
         """Encodes the admitted sources and seeds their decoders; merges their first logits."""
