@@ -8,8 +8,9 @@ its prefill or decoded, and the host then checks stops and streams the deltas.
 
 ``Engine(model, ...)`` composes the parts for the model's kind:
 
-- a decoder-only model: a paged KV cache (``PagedExecutor``), a page pool and chunked
-  prefill. Pages are allocated on the host: a prompt's pages at admission, one more page
+- a decoder-only model: a paged KV cache (``PagedExecutor``), a page pool with automatic
+  prefix caching, and chunked prefill. Pages are allocated on the host: a prompt's pages at
+  admission (those the prefix cache already holds are shared, not computed), one more page
   when a decoding row crosses a page boundary. When none is free, the newest running
   sequence is preempted: it goes back to the head of the queue, to be re-prefilled from
   prompt + generated tokens (recompute, as vLLM does). Its generated count is kept, so its
@@ -23,12 +24,19 @@ its prefill or decoded, and the host then checks stops and streams the deltas.
   waiting beam requests (up to the prefill rows' top), runs one chunk of search steps for
   all of them and reports those that finished: one ``RequestOutput`` each, at the end, with
   the ``BeamResult`` (HF's beam search returns only finished hypotheses: nothing streams).
+  No prefix caching: a source is encoded whole, and its cross-attention keys are its own.
+
+Host and device overlap: a step dispatches its device work and then reads the tokens of the
+step before, which ran meanwhile (each slot's last token stays on the device as the next
+decode input). Stops are therefore seen one step late: a row that stopped was decoded once
+more, and that token is dropped; a request's output is exactly what it is without overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import secrets
 import threading
@@ -36,6 +44,9 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jax
+import numpy as np
 
 from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_requests
 from spark_jax.generation.request import (
@@ -52,6 +63,7 @@ from spark_jax.serving.executor import (
     DenseExecutor,
     HostTokens,
     PagedExecutor,
+    Picks,
     check_sampler_width,
 )
 from spark_jax.serving.pages import PageAllocator
@@ -63,7 +75,10 @@ MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
 
 # Constructor keywords by model kind (max_num_seqs, max_model_len, max_prefill_seqs: both).
 DECODER_ONLY_OPTIONS = ("max_batch_tokens", "kv_pages", "page_size", "min_chunk")
-DECODER_ONLY_OPTIONS += ("min_decode_pages",)
+DECODER_ONLY_OPTIONS += ("min_decode_pages", "decode_widths", "gpu_memory_utilization")
+DECODER_ONLY_OPTIONS += ("max_num_batched_tokens",)
+
+log = logging.getLogger("spark_jax.serving")
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
 
 
@@ -76,6 +91,22 @@ class RequestOutput:
     text_delta: str
     finished: bool = False
     result: GenerationResult | BeamResult | None = None  # set when finished
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """A snapshot of what the engine holds and has done (for a server's metrics)."""
+
+    num_running: int  # requests holding a slot
+    num_waiting: int  # requests queued (beam requests included)
+    pages_used: int  # KV pages held by running sequences (0 for a dense cache)
+    pages_free: int  # pages free or evictable
+    pages_cached: int  # pages registered in the prefix cache
+    prefix_cache_hit_rate: float | None  # of the full prompt pages looked up; None when off
+    prompt_tokens: int  # tokens computed by prefills (a preempted row's output included)
+    cached_prompt_tokens: int  # tokens the prefix cache had instead
+    generation_tokens: int  # tokens generated (read back)
+    num_preemptions: int
 
 
 class _Request:
@@ -144,12 +175,18 @@ class Engine:
         page_size: int | None = None,
         min_chunk: int | None = None,
         min_decode_pages: int | None = None,
+        decode_widths: Sequence[int] | None = None,
+        enable_prefix_caching: bool | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_num_batched_tokens: int | None = None,
         max_source_len: int | None = None,
         max_num_beams: int | None = None,
     ):
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
-            min_chunk=min_chunk, min_decode_pages=min_decode_pages,
+            min_chunk=min_chunk, min_decode_pages=min_decode_pages, decode_widths=decode_widths,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_source_len=max_source_len, max_num_beams=max_num_beams,
         )  # fmt: skip
         encoder_decoder = bool(model.config.is_encoder_decoder)
@@ -161,6 +198,14 @@ class Engine:
                 f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to "
                 f"{kind} model's engine; leave {'it' if len(given) == 1 else 'them'} out."
             )
+        if encoder_decoder and enable_prefix_caching:
+            raise ValueError(
+                "prefix caching does not apply to an encoder-decoder model (its sources are "
+                "encoded whole and their keys are their own); leave enable_prefix_caching out."
+            )
+        self.enable_prefix_caching = (
+            not encoder_decoder if enable_prefix_caching is None else enable_prefix_caching
+        )
         self.model = model
         self.num_slots = max_num_seqs
         self.max_model_len = max_model_len or model.config.max_position_embeddings
@@ -176,8 +221,13 @@ class Engine:
                 page_size or 16,
                 min_chunk or MIN_CHUNK,
                 min_decode_pages or MIN_DECODE_PAGES,
+                decode_widths,
+                gpu_memory_utilization,
+                max_num_batched_tokens,
             )
         self._requests: dict[int, _Request] = {}
+        self._in_flight: list[Picks] = []  # the last dispatched step's picks, not yet read
+        self._generated = 0  # tokens read back
         self._pending: list[RequestOutput] = []  # outputs made outside a step (aborts, errors)
         self._next_id = 0
         self._lock = threading.RLock()
@@ -192,6 +242,9 @@ class Engine:
         page_size: int,
         min_chunk: int,
         min_decode_pages: int,
+        decode_widths: Sequence[int] | None,
+        gpu_memory_utilization: float | None,
+        max_num_batched_tokens: int | None,
     ) -> None:
         for name, value in (("max_batch_tokens", max_batch_tokens), ("min_chunk", min_chunk)):
             if value < MIN_CHUNK or value & (value - 1):
@@ -200,15 +253,36 @@ class Engine:
             raise ValueError(f"min_chunk {min_chunk} exceeds max_batch_tokens {max_batch_tokens}")
         self._check_limits = self._check_prompt_limits
         self.page_size = page_size
+        least = self.num_slots + min_chunk
+        if max_num_batched_tokens is not None and max_num_batched_tokens < least:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} leaves no room for a prefill "
+                f"chunk of {min_chunk} beside {self.num_slots} decoding rows; raise it to at "
+                f"least {least}."
+            )
+        widths = sorted(set(decode_widths or pow2_ladder(1, self.num_slots)))
+        if widths[0] < 1 or widths[-1] != self.num_slots:
+            raise ValueError(
+                f"decode_widths must be positive and end at max_num_seqs={self.num_slots}, "
+                f"got {list(decode_widths or [])}."
+            )
         max_pages_per_seq = math.ceil(self.max_model_len / page_size)
-        kv_pages = kv_pages or self.num_slots * max_pages_per_seq
+        if kv_pages is None:
+            kv_pages = self.num_slots * max_pages_per_seq
+            if gpu_memory_utilization is not None:
+                kv_pages = self._pages_that_fit(
+                    gpu_memory_utilization, page_size, max_batch_tokens, max_pages_per_seq
+                )
+        elif gpu_memory_utilization is not None:
+            raise ValueError("give kv_pages or gpu_memory_utilization, not both.")
         top_rows = max(1, min(max_prefill_seqs, max_batch_tokens // min_chunk))
         self.scheduler = Scheduler(
             self.num_slots,
             pow2_ladder(1, top_rows),
-            PageAllocator(kv_pages),
+            PageAllocator(kv_pages, self.enable_prefix_caching),
             page_size,
             ChunkBudget(max_batch_tokens, pow2_ladder(min_chunk, max_batch_tokens)),
+            max_num_batched_tokens,
         )
         low = min(min_decode_pages, max_pages_per_seq)
         self.executor = PagedExecutor(
@@ -218,7 +292,47 @@ class Engine:
             page_size,
             max_pages_per_seq,
             pow2_ladder(low, max_pages_per_seq),
+            widths,
         )
+        c = self.model.config
+        page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim
+        page_bytes *= self.executor.state.k_pages[0].dtype.itemsize
+        log.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",
+            kv_pages, page_size, kv_pages * page_bytes / 2**30, kv_pages * page_size,
+            "on" if self.enable_prefix_caching else "off",
+        )  # fmt: skip
+
+    def _pages_that_fit(
+        self, utilization: float, page_size: int, max_batch_tokens: int, max_pages_per_seq: int
+    ) -> int:
+        """The pages that fill ``utilization`` of the device's memory beside what it already
+        holds (the weights) and a step's working memory; a multiple of max_num_seqs, so
+        cuDNN's paged attention can read them in place."""
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}.")
+        stats = jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(
+                f"the {jax.default_backend()} device reports no memory limit, so "
+                "gpu_memory_utilization cannot size the KV cache; pass kv_pages instead."
+            )
+        c = self.model.config
+        itemsize = np.dtype(self.model.dtype).itemsize
+        page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * itemsize
+        # A step's working set: a prefill batch's activations and every slot's logits and
+        # sampler state (fp32 / int32 rows of the vocabulary, a few copies each).
+        work = max_batch_tokens * (4 * c.intermediate_size + 2 * c.vocab_size) * 4
+        work += 6 * self.num_slots * c.vocab_size * 4
+        room = utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0) - work
+        pages = int(room // page_bytes) // self.num_slots * self.num_slots
+        if pages < max_pages_per_seq:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} leaves room for {max(pages, 0)} KV pages, "
+                f"fewer than one sequence of max_model_len={self.max_model_len} needs "
+                f"({max_pages_per_seq}); raise it or lower max_model_len."
+            )
+        return pages
 
     def _compose_dense(
         self, max_prefill_seqs: int, max_source_len: int | None, max_num_beams: int | None
@@ -299,7 +413,9 @@ class Engine:
             out = RequestState(
                 request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer
             )
-            seq = SequenceState(request_id, prompt, out.tokens, params, adapter)
+            seq = SequenceState(
+                request_id, prompt, out.tokens, params, adapter, params.max_tokens, params.adapter
+            )
             self._requests[request_id] = _Request(seq, out)
             self.scheduler.add(seq)
         return request_id
@@ -400,7 +516,28 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         beams = self._beam_requests is not None and bool(self._beam_requests.ids)
-        return bool(self._requests or self._pending) or beams
+        return bool(self._requests or self._pending or self._in_flight) or beams
+
+    def metrics(self) -> EngineMetrics:
+        """What the engine holds now and has done so far."""
+        with self._lock:
+            pages = self.scheduler.pages
+            waiting = len(self.scheduler.waiting)
+            if self._beam_requests is not None:
+                waiting += len(self.executor.beams.pending)
+            caching = pages is not None and pages.enable_prefix_caching
+            return EngineMetrics(
+                num_running=self.scheduler.slots_in_use,
+                num_waiting=waiting,
+                pages_used=0 if pages is None else pages.in_use,
+                pages_free=0 if pages is None else pages.num_free,
+                pages_cached=pages.num_cached if caching else 0,
+                prefix_cache_hit_rate=pages.hit_rate if caching else None,
+                prompt_tokens=self.scheduler.num_prefilled_tokens,
+                cached_prompt_tokens=self.scheduler.num_cached_tokens,
+                generation_tokens=self._generated,
+                num_preemptions=self.scheduler.num_preemptions,
+            )
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -416,28 +553,43 @@ class Engine:
             return outputs
 
     def _step(self) -> list[RequestOutput]:
+        """Dispatches this step, then reads the one before (which ran meanwhile)."""
         plan = self.scheduler.plan()
-        outputs: list[RequestOutput] = []
+        dispatched: list[Picks] = []
         if not plan.empty:
-            host = self.executor.run(plan, self.scheduler.slots)
+            dispatched = self.executor.run(plan, self.scheduler.slots)
             self.scheduler.advance(plan)
-            if host is not None:
-                outputs = [self._emit(seq, host) for seq in plan.samples]
+        previous, self._in_flight = self._in_flight, dispatched
+        outputs = [out for picks in previous for out in self._read(picks)]
         if self._beam_requests is not None:
             outputs += self._beam_step()
         return outputs
 
-    def _emit(self, seq: SequenceState, host: HostTokens) -> RequestOutput:
+    def _read(self, picks: Picks) -> list[RequestOutput]:
+        """The outputs of one pick's rows; rows of requests that ended since are dropped."""
+        host = picks.read()
+        outputs = []
+        for row, seq in enumerate(picks.seqs):
+            if seq is None:
+                continue
+            seq.in_flight -= 1
+            request = self._requests.get(seq.id)
+            if request is not None and request.seq is seq:
+                outputs.append(self._emit(seq, host, row))
+        return outputs
+
+    def _emit(self, seq: SequenceState, host: HostTokens, row: int) -> RequestOutput:
         request = self._requests[seq.id]
-        token = int(host.tokens[seq.slot])
+        token = int(host.tokens[row])
         n = seq.params.logprobs
-        lp = None if n is None else token_logprobs(host, seq.slot, None, n)
+        lp = None if n is None else token_logprobs(host, row, None, n)
         delta = request.out.add(token, lp)
+        self._generated += 1
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         if not request.out.finished:
             return RequestOutput(seq.id, [token], delta)
-        self.scheduler.release(seq)
+        self.scheduler.remove(seq)  # waiting if preempted while its last token was in flight
         del self._requests[seq.id]
         return RequestOutput(seq.id, [token], delta, True, request.result())
 
@@ -457,6 +609,7 @@ class Engine:
         """After a failed step: every request ends with "error" and gives back what it held;
         beam searches end with an empty result."""
         self.scheduler.clear()
+        self._in_flight = []
         for request in self._requests.values():
             request.out.finish("error")
             self._pending.append(RequestOutput(request.seq.id, [], "", True, request.result()))

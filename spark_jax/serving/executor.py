@@ -1,18 +1,20 @@
 """The device side of a serving step: one executor per cache kind, one ``run(plan)`` each.
 
-Given a ``StepPlan`` and the slots' sequences, ``run`` builds the device inputs, runs the
-runner's decode step over every cache row (idle rows masked, so its shape never changes),
-then the prefill batch, merges the logits of the rows that sample, and picks all their next
-tokens with the generation core's sampling rule (``step.pick``); it returns the picks on the
-host, indexed by slot.
+Given a ``StepPlan`` and the slots' sequences, ``run`` dispatches the step and returns its
+``Picks`` without waiting for the device: the runner's decode over the decoding rows, the
+prefill batch, and the generation core's sampling rule (``step.pick``) over the rows that
+sample. Each slot's last token stays on the device (``SlotPicker.last_tokens``), where the
+next step's decode reads it, so the engine reads a step's tokens while the next one runs.
 
-- ``PagedExecutor``: a decoder-only model over a paged KV cache. The host block table moves
-  with the sequences' pages; on the GPU the decode step's attention reads each row's pages
-  in place (cuDNN's paged attention), elsewhere it gathers the rows and the table's width
-  (the longest row, in pages) moves on a ladder so the gather stays short.
+- ``PagedExecutor``: a decoder-only model over a paged KV cache. The decode step runs only
+  the decoding rows, packed into the smallest width of a ladder (1, 2, 4, ... slots) that
+  holds them. The host block table moves with the sequences' pages; on the GPU the decode
+  step's attention reads each row's pages in place (cuDNN's paged attention), elsewhere it
+  gathers the rows and the table's width (the longest row, in pages) moves on a ladder so
+  the gather stays short.
 - ``DenseExecutor``: an encoder-decoder model over the runner's dense per-slot cache (whole
-  sources prefilled with their cross K/V), plus the beam lane (``BeamLane``), whose beams
-  reorder their own cache rows every step.
+  sources prefilled with their cross K/V; the decode step runs every slot), plus the beam
+  lane (``BeamLane``), whose beams reorder their own cache rows every step.
 
 The ``warm_*`` methods are the inputs and runs of ``spark_jax.serving.warmup``.
 """
@@ -26,10 +28,11 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
-from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling, pick
+from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplingParams
@@ -58,9 +61,9 @@ def upload(x: np.ndarray | np.generic) -> jax.Array:
 
 
 @jax.jit
-def _merge_rows(logits: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """logits[slots[i]] = rows[i]; slots out of range (padding, unfinished chunks) dropped."""
-    return logits.at[slots].set(rows, mode="drop")
+def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
+    """Each decode row's input: its slot's last token (padding rows read some slot's)."""
+    return jnp.take(last_tokens, row_slots, mode="clip")
 
 
 @partial(jax.jit, donate_argnames=("token_counts", "prompt_mask"))
@@ -115,15 +118,54 @@ def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) ->
 RULE = Sampling(greedy=False, want_logprobs=True)
 
 
+@partial(jax.jit, static_argnames=("rule",), donate_argnames=("counts", "last_tokens"))
+def _pick_rows(
+    rule: Sampling,
+    logits: jax.Array,
+    row_slots: jax.Array,
+    active: jax.Array,
+    num_generated: jax.Array,
+    by_slot: SampleRows,
+    counts: jax.Array,
+    last_tokens: jax.Array,
+) -> tuple[jax.Array, jax.Array, Chunk]:
+    """The rule's pick of rows ``row_slots[b]`` from ``logits[b, V]``: their slots' settings
+    and token counts gathered, the counts and last tokens written back to the slots (padding
+    rows name slot ``S``, out of range: their writes are dropped)."""
+    take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
+    rows = jax.tree.map(take, by_slot)
+    carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, take(counts))
+    carry, record = rule.advance(logits, carry, rows, rule.empty_record(carry, rows, 1), 0)
+    counts = counts.at[row_slots].set(carry.picker, mode="drop")
+    last_tokens = last_tokens.at[row_slots].set(record.tokens[:, 0], mode="drop")
+    return counts, last_tokens, record
+
+
+@dataclass
+class Picks:
+    """One pick's record, still on the device, and the sequence of each of its rows."""
+
+    record: Chunk
+    seqs: list[SequenceState | None]  # by row; None: padding or a row that does not sample
+
+    def read(self) -> HostTokens:
+        """The picks on the host, by row, in one transfer (waits for the device); the logprob
+        fields only when one of the rows asks for them."""
+        want = any(s is not None and s.params.logprobs is not None for s in self.seqs)
+        fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
+        # Whole fields, sliced here: slicing on the device would be a program of its own.
+        host = jax.device_get([getattr(self.record, f) for f in fields])
+        return HostTokens(*(np.asarray(x[:, 0]) for x in host))
+
+
 class SlotPicker:
-    """The generation core's sampling over every slot (``step.Sampling``, run by
-    ``step.pick`` on a step's logits): per-slot token counts (the carry's picker state) and
-    prompt masks, and the rows' sampling settings, rebuilt when the slots' owners change.
+    """The generation core's sampling (``step.Sampling``) of a step's rows, with each slot's
+    state on the device: token counts (penalties), prompt mask, sampling settings (rebuilt
+    when the slots' owners change) and last token (the next decode input).
 
     A serving step is the core's step split in its two halves, the model's forward and the
-    rule's pick, because the rows that end their prefill in the step are picked with the
-    decoding rows: their logits are merged between the two, and one pick serves all of
-    them (the decode step and the pick as one program measured slower on the H200).
+    rule's pick: the decoding rows are picked from the decode step's logits and the rows
+    that end their prefill from the prefill's, each pick over its own rows.
     """
 
     def __init__(self, num_slots: int, vocab_size: int, eos_token_ids: Sequence[int]):
@@ -132,7 +174,7 @@ class SlotPicker:
         self.eos_token_ids = tuple(eos_token_ids)
         self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
         self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
-        self.zero_logits = commit(np.zeros((num_slots, vocab_size), np.float32))
+        self.last_tokens = commit(np.zeros((num_slots,), np.int32))
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
         self._rows: SampleRows | None = None
 
@@ -160,7 +202,7 @@ class SlotPicker:
             upload(mask[:vocab]),
         )
 
-    def rows(self, slots: Sequence[SequenceState | None]) -> SampleRows:
+    def by_slot(self, slots: Sequence[SequenceState | None]) -> SampleRows:
         """Every slot's sampling settings (an empty slot samples greedily, unread)."""
         if self._rows is None:
             params = [None if s is None else s.params for s in slots]
@@ -170,35 +212,41 @@ class SlotPicker:
             )
         return dataclasses.replace(self._rows, prompt_mask=self.prompt_mask)
 
-    def carry(self, rows: list[SequenceState]) -> Carry:
-        """The core's carry of a pick over every slot: ``rows`` active, each at its generated
-        count (no cache: a pick runs no model step)."""
-        active = np.zeros((self.num_slots,), bool)
-        generated = np.zeros((self.num_slots,), np.int32)
-        for seq in rows:
-            active[seq.slot] = True
-            generated[seq.slot] = len(seq.generated)
-        tokens = np.zeros((self.num_slots,), np.int32)
-        return Carry(None, upload(tokens), upload(active), upload(generated), self.counts)
-
     def pick(
-        self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
-    ) -> Chunk:
-        """The next tokens of ``rows`` from ``logits`` [slots, V] (their prefill's)."""
-        carry, record = pick(RULE, logits, self.carry(rows), self.rows(slots))
-        self.counts = carry.picker
-        return record
+        self,
+        logits: jax.Array,
+        seqs: list[SequenceState | None],
+        slots: Sequence[SequenceState | None],
+    ) -> Picks:
+        """The next tokens of ``seqs`` (by row of ``logits[b, V]``; None: no pick) at their
+        generated counts; their slots' last tokens become these."""
+        nowhere = self.num_slots
+        row_slots = np.array([nowhere if s is None else s.slot for s in seqs], np.int32)
+        active = np.array([s is not None for s in seqs])
+        generated = np.array([0 if s is None else s.num_scheduled for s in seqs], np.int32)
+        self.counts, self.last_tokens, record = _pick_rows(
+            RULE,
+            logits,
+            upload(row_slots),
+            upload(active),
+            upload(generated),
+            self.by_slot(slots),
+            self.counts,
+            self.last_tokens,
+        )
+        return Picks(record, seqs)
 
     def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
         return SamplerBatch.from_params(
             params, self.vocab_size, self.eos_token_ids, min_width=SAMPLER_WIDTH
         )
 
-    def warm(self, logits: jax.Array) -> None:
-        """Runs the pick and the row setter once on no row (a slot out of range)."""
+    def warm(self, logits: list[jax.Array]) -> None:
+        """Runs the pick of each logits shape and the row setter once on no row."""
         n, vocab = self.num_slots, self.vocab_size
         self._rows = None
-        record = self.pick(logits, [], [None] * n)
+        for x in logits:
+            self.pick(x, [None] * x.shape[0], [None] * n)
         self.counts, self.prompt_mask = _set_row(
             self.counts,
             self.prompt_mask,
@@ -207,44 +255,19 @@ class SlotPicker:
             upload(np.zeros((vocab,), bool)),
         )
         self._rows = None
-        jax.block_until_ready((record, self.counts))
+        jax.block_until_ready((self.last_tokens, self.counts))
 
 
-def host_picks(record: Chunk, rows: list[SequenceState]) -> HostTokens:
-    """The picks of a step's sampled rows on the host, by slot, in one transfer; the logprob
-    fields only when one of the rows asks for them."""
-    want = any(s.params.logprobs is not None for s in rows)
-    fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
-    # Whole fields, sliced here: slicing on the device would be a program of its own.
-    host = jax.device_get([getattr(record, f) for f in fields])
-    return HostTokens(*(np.asarray(x[:, 0]) for x in host))
-
-
-def _decode_inputs(
-    rows: list[SequenceState], slots: Sequence[SequenceState | None]
-) -> tuple[jax.Array, jax.Array, list[int]]:
-    """Every cache row's next input token, whether it decodes, and its adapter."""
-    tokens = np.zeros((len(slots),), np.int32)
-    active = np.zeros((len(slots),), bool)
-    for seq in rows:
-        tokens[seq.slot] = seq.generated[-1]
-        active[seq.slot] = True
-    adapters = [-1 if s is None else s.adapter for s in slots]
-    return upload(tokens), upload(active), adapters
-
-
-def _sampled_targets(rows: list[PrefillRow], padded: int, nowhere: int) -> np.ndarray:
-    """The slot each prefill row's logits go to: its own if it samples, else nowhere."""
-    targets = np.full((padded,), nowhere, np.int32)
-    for i, row in enumerate(rows):
-        if row.last:
-            targets[i] = row.seq.slot
-    return targets
+def _prefill_samples(rows: list[PrefillRow], padded: int) -> list[SequenceState | None]:
+    """Each prefill row's sequence if the row ends its prefill (it samples), else None."""
+    return [r.seq if r.last else None for r in rows] + [None] * (padded - len(rows))
 
 
 class PagedExecutor:
     """A decoder-only model's steps over a paged KV cache (see the module docstring).
 
+    decode_widths: the decode step's row counts (the lowest that holds a step's decoding rows
+    runs it). width_ladder: the block table's widths in pages.
     ``adapter_rows_change_the_program`` (the runner's): warm-up compiles each step with and
     without an adapter row.
     """
@@ -257,6 +280,7 @@ class PagedExecutor:
         page_size: int,
         max_pages_per_seq: int,
         width_ladder: list[int],
+        decode_widths: list[int],
     ):
         c = model.config
         self.runner = model.runner
@@ -264,6 +288,7 @@ class PagedExecutor:
         self.num_slots = num_slots
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq
+        self.decode_widths = decode_widths
         self.state = commit(
             PagedKVCache.create(
                 c.num_layers, num_slots, num_pages, page_size, max_pages_per_seq,
@@ -273,18 +298,25 @@ class PagedExecutor:
         self.width_ladder = width_ladder
         if self._decode_reads_pages_in_place(model):
             # Each row's attention then reads its own pages whatever the table's width: one
-            # decode shape instead of a ladder, so fewer compiles at startup.
+            # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
         self.sampler = SlotPicker(num_slots, c.vocab_size, model.eos_token_ids)
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
-        attention on the GPU) rather than gathering each row's table width."""
+        attention on the GPU) at every decode width, rather than gathering the rows."""
         c = model.config
-        q = jax.ShapeDtypeStruct((self.num_slots, 1, c.num_heads, c.head_dim), model.dtype)
         window = next((w for w in c.sliding_windows if w), None)
-        return cudnn_paged_applies(q, self.state.k[0], self.num_slots, window)
+        return all(
+            cudnn_paged_applies(
+                jax.ShapeDtypeStruct((b, 1, c.num_heads, c.head_dim), model.dtype),
+                self.state.k[0],
+                b,
+                window,
+            )
+            for b in self.decode_widths
+        )
 
     def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
         # Adapters go to the runner only when a pool exists, so plain models keep one compile.
@@ -296,37 +328,51 @@ class PagedExecutor:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> HostTokens | None:
-        """Runs one step's decode and prefill rows; the picks of the rows that sample."""
-        running = [s for s in slots if s is not None]
-        self.table.sync(running)
+    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+        """Dispatches one step's decode and prefill rows and the picks of the rows that
+        sample; nothing waits for the device."""
+        self.table.sync([s for s in slots if s is not None])
         self.sampler.sync(slots)
-        logits = self.sampler.zero_logits
+        picks = []
         if plan.decode:
-            width = rung(self.width_ladder, max(len(s.pages) for s in running))
-            tokens, active, adapters = _decode_inputs(plan.decode, slots)
-            logits, self.state = self.runner.decode(
-                self._device_state(width), tokens, active, **self._lora(adapters)
-            )
-            for seq in plan.decode:
-                self.table.lengths[seq.slot] += 1
+            picks.append(self._decode(plan.decode, slots))
         if plan.prefill:
-            logits = self._prefill(plan, logits)
-        if not plan.samples:
-            return None
-        return host_picks(self.sampler.pick(logits, plan.samples, slots), plan.samples)
+            picks += self._prefill(plan, slots)
+        return picks
 
-    def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
-        """Runs the chunks; the rows that finished their prefill get their logits merged in."""
+    def _decode(self, rows: list[SequenceState], slots: Sequence[SequenceState | None]) -> Picks:
+        """The decoding rows packed at the lowest decode width that holds them."""
+        b = rung(self.decode_widths, len(rows))
+        width = rung(self.width_ladder, max(len(s.pages) for s in rows))
+        row_slots = np.full((b,), self.num_slots, np.int32)
+        row_slots[: len(rows)] = [s.slot for s in rows]
+        table = np.full((b, width), self.table.none, np.int32)
+        table[: len(rows)] = self.table.pages[row_slots[: len(rows)], :width]
+        lengths = np.zeros((b,), np.int32)
+        lengths[: len(rows)] = self.table.lengths[row_slots[: len(rows)]]
+        active = np.arange(b) < len(rows)
+        adapters = [s.adapter for s in rows] + [-1] * (b - len(rows))
+        state = self.state.with_block_table(upload(table)).with_lengths(upload(lengths))
+        tokens = _gather_tokens(self.sampler.last_tokens, upload(row_slots))
+        logits, self.state = self.runner.decode(
+            state, tokens, upload(active), **self._lora(adapters)
+        )
+        for seq in rows:
+            self.table.lengths[seq.slot] += 1
+        seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
+        return self.sampler.pick(logits, seqs, slots)
+
+    def _prefill(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+        """Runs the chunks; the rows that end their prefill are picked from their logits."""
         rows, padded = plan.prefill, plan.prefill_rows
         pad = padded - len(rows)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
-        slots = [r.seq.slot for r in rows] + [nowhere] * pad
+        row_slots = [r.seq.slot for r in rows] + [nowhere] * pad
         chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows] + [[0]] * pad
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
         chunk_logits, self.state = self.runner.prefill(
             self._device_state(self.max_pages_per_seq),
-            slots,
+            row_slots,
             chunks,
             continuing=True,
             min_len=plan.prefill_len,
@@ -334,16 +380,16 @@ class PagedExecutor:
         )
         for r in rows:
             self.table.lengths[r.seq.slot] = r.start + r.length
-        if any(r.last for r in rows):
-            targets = _sampled_targets(rows, padded, nowhere)
-            logits = _merge_rows(logits, chunk_logits, upload(targets))
-        return logits
+        if not any(r.last for r in rows):
+            return []
+        return [self.sampler.pick(chunk_logits, _prefill_samples(rows, padded), slots)]
 
     # -- warm-up ----------------------------------------------------------------------------
 
     def warm_groups(self, prefill_shapes: list[tuple[int, int]]) -> list[WarmGroup]:
-        """Every decode width and (rows, chunk) prefill batch, run on rows out of range."""
-        steps = [WarmStep("decode", (w,)) for w in self.width_ladder]
+        """Every decode width x block-table width and (rows, chunk) prefill batch, run on
+        rows out of range."""
+        steps = [WarmStep("decode", (b, w)) for b in self.decode_widths for w in self.width_ladder]
         steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
         return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
@@ -357,12 +403,15 @@ class PagedExecutor:
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         if step.kind == "decode":  # no active row, over an empty block table
-            (width,) = step.shape
-            n = self.num_slots
-            empty = upload(np.full((n, width), self.num_pages, np.int32))
-            state = self.state.with_block_table(empty).with_lengths(upload(self.table.lengths))
-            tokens, active = upload(np.zeros((n,), np.int32)), upload(np.zeros((n,), bool))
-            return (state, tokens, active), self._lora(_warm_adapters(n, step.adapted))
+            b, width = step.shape
+            empty = upload(np.full((b, width), self.num_pages, np.int32))
+            state = self.state.with_block_table(empty).with_lengths(
+                upload(np.zeros((b,), np.int32))
+            )
+            # The decode's input tokens as a run gathers them.
+            tokens = _gather_tokens(self.sampler.last_tokens, upload(np.zeros((b,), np.int32)))
+            active = upload(np.zeros((b,), bool))
+            return (state, tokens, active), self._lora(_warm_adapters(b, step.adapted))
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
@@ -383,20 +432,18 @@ def _warm_adapters(rows: int, adapted: bool) -> list[int]:
 
 
 def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmStep]) -> None:
-    """Runs each base step once (its adapter variants are compiled only), merging every
-    prefill's logits into both kinds of logits a run merges into, then warms the pick."""
+    """Runs each base step once (its adapter variants are compiled only), then the pick of
+    every logits shape they give and the decode's token gather."""
     runner, sampler = executor.runner, executor.sampler
-    logits = sampler.zero_logits
+    shapes: dict[int, jax.Array] = {}
     for step in [s for s in steps if not s.adapted]:
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
             logits, executor.state = runner.decode(*args, **kwargs)
-            continue
-        chunk_logits, executor.state = runner.prefill(*args, **kwargs)
-        targets = upload(np.full((step.shape[0],), executor.num_slots, np.int32))
-        logits = _merge_rows(logits, chunk_logits, targets)
-        logits = _merge_rows(sampler.zero_logits, chunk_logits, targets)
-    sampler.warm(logits)
+        else:
+            logits, executor.state = runner.prefill(*args, **kwargs)
+        shapes[logits.shape[0]] = logits
+    sampler.warm(list(shapes.values()))
 
 
 class DenseExecutor:
@@ -442,37 +489,40 @@ class DenseExecutor:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> HostTokens | None:
-        """Runs one step's decode rows and whole-source prefills; the picks of those that
-        sample (every row: a source's prefill ends in the step that admits it)."""
+    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+        """Dispatches one step's decode rows (every slot runs; idle ones are masked) and
+        whole-source prefills, and the picks of both (every prefilled source samples: its
+        prefill ends in the step that admits it); nothing waits for the device."""
         self.sampler.sync(slots)
-        logits = self.sampler.zero_logits
+        picks = []
         if plan.decode:
-            tokens, active, adapters = _decode_inputs(plan.decode, slots)
+            decoding = set(id(s) for s in plan.decode)
+            seqs = [s if s is not None and id(s) in decoding else None for s in slots]
+            active = np.array([s is not None for s in seqs])
+            adapters = [-1 if s is None else s.adapter for s in slots]
             logits, self.state = self.runner.decode(
-                self.state, tokens, active, **self._lora(adapters)
+                self.state, self.sampler.last_tokens, upload(active), **self._lora(adapters)
             )
+            picks.append(self.sampler.pick(logits, seqs, slots))
         if plan.prefill:
-            logits = self._prefill(plan, logits)
-        if not plan.samples:
-            return None
-        return host_picks(self.sampler.pick(logits, plan.samples, slots), plan.samples)
+            picks.append(self._prefill(plan, slots))
+        return picks
 
-    def _prefill(self, plan: StepPlan, logits: jax.Array) -> jax.Array:
-        """Encodes the admitted sources and seeds their decoders; merges their first logits."""
+    def _prefill(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> Picks:
+        """Encodes the admitted sources and seeds their decoders; picks their first tokens."""
         seqs = [row.seq for row in plan.prefill]
         pad = plan.prefill_rows - len(seqs)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
         first = seqs[0]
-        slots = [s.slot for s in seqs] + [nowhere] * pad
+        row_slots = [s.slot for s in seqs] + [nowhere] * pad
         prompts = [s.prompt for s in seqs] + [first.prompt] * pad
         requests = [s.params for s in seqs] + [first.params] * pad
         adapters = [s.adapter for s in seqs] + [-1] * pad
         chunk_logits, self.state = self.runner.prefill(
-            self.state, slots, prompts, requests, **self._lora(adapters)
+            self.state, row_slots, prompts, requests, **self._lora(adapters)
         )
-        targets = _sampled_targets(plan.prefill, len(slots), nowhere)
-        return _merge_rows(logits, chunk_logits, upload(targets))
+        samples = _prefill_samples(plan.prefill, len(row_slots))
+        return self.sampler.pick(chunk_logits, samples, slots)
 
     def run_beams(self, limit: int) -> dict[int, BeamResult]:
         """One chunk of search steps of every running beam request, after admitting up to
@@ -506,7 +556,7 @@ class DenseExecutor:
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         n = self.num_slots
         if step.kind == "decode":  # no active row
-            tokens, active = upload(np.zeros((n,), np.int32)), upload(np.zeros((n,), bool))
+            tokens, active = self.sampler.last_tokens, upload(np.zeros((n,), bool))
             return (self.state, tokens, active), self._lora(_warm_adapters(n, step.adapted))
         rows, length = step.shape  # rows sources of length EOS tokens into slots out of range
         source = [self.eos_token_id] * min(length, self.max_source_len)

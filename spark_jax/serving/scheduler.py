@@ -12,12 +12,21 @@ A ``Scheduler`` holds the waiting queue and the slots of the running sequences; 
    of everything they must compute) is free. A step that preempted admits nobody.
 
 With ``chunks`` (a ``ChunkBudget``) prompts are read in chunks that pack into one ``[B, T]``
-batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens``;
+batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens`` (and,
+with ``max_num_batched_tokens``, at most that many tokens in a step, decode rows included);
 without, each admitted prompt is read whole in the step that admits it, up to the row
 ladder's top of them (an encoder-decoder's source: its encoder attends both ways). Without
 a page pool nothing is ever preempted: an admitted sequence always finishes in its slot.
 
-``advance(plan)`` records what a step computed once the device has run it.
+With a prefix-caching page pool (``PageAllocator(enable_prefix_caching=True)``), an admitted
+sequence whose tokens start with cached full pages takes them and computes only the rest (at
+least its last token, whose logits it samples); its own full pages are registered as their
+keys get computed (``register_pages``).
+
+``advance(plan)`` records what a step computed once it is dispatched. The engine reads a
+step's tokens after dispatching the next one, so a sequence may have tokens in flight
+(``in_flight``): it is not decoded past its ``max_new`` tokens, and a preempted one is
+re-admitted only once its tokens are all read.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_jax.serving.pages import PageAllocator
+from spark_jax.serving.pages import PageAllocator, page_key
 
 
 def pow2_ladder(low: int, high: int) -> list[int]:
@@ -59,12 +68,20 @@ class SequenceState:
         generated: list[int] | None = None,
         params: Any = None,
         adapter: int = -1,
+        max_new: int = 1 << 62,
+        cache_salt: str | None = None,
     ):
         self.id = seq_id
         self.prompt = list(prompt)
         self.generated = [] if generated is None else generated
         self.params = params
         self.adapter = adapter
+        self.max_new = max_new  # tokens it generates at most
+        self.cache_salt = cache_salt  # what else its keys depend on (the adapter's name)
+        self.in_flight = 0  # tokens dispatched whose values the host has not read yet
+        self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages of tokens
+        self.num_registered = 0  # its pages registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens its last admission found in the cache
         self.slot: int | None = None
         self.pages: list[int] = []
         self.num_computed = 0  # tokens whose keys are in the cache
@@ -79,6 +96,22 @@ class SequenceState:
     @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_target
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens generated or being generated."""
+        return len(self.generated) + self.in_flight
+
+    def keys(self, num_pages: int, page_size: int) -> list[bytes]:
+        """The prefix-cache keys of its first ``num_pages`` pages (of tokens the host has)."""
+        tokens = None
+        while len(self.page_keys) < num_pages:
+            tokens = self.tokens if tokens is None else tokens
+            i = len(self.page_keys)
+            parent = self.page_keys[-1] if i else None
+            chunk = tokens[i * page_size : (i + 1) * page_size]
+            self.page_keys.append(page_key(parent, chunk, self.cache_salt))
+        return self.page_keys[:num_pages]
 
     def __repr__(self) -> str:
         return f"SequenceState(id={self.id}, slot={self.slot}, computed={self.num_computed})"
@@ -143,6 +176,7 @@ class Scheduler:
         pages: PageAllocator | None = None,
         page_size: int = 0,
         chunks: ChunkBudget | None = None,
+        max_num_batched_tokens: int | None = None,
     ):
         if pages is not None and page_size < 1:
             raise ValueError("a page pool needs page_size >= 1.")
@@ -151,10 +185,13 @@ class Scheduler:
         self.pages = pages
         self.page_size = page_size
         self.chunks = chunks
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.slots: list[SequenceState | None] = [None] * num_slots
         self.free_slots = list(range(num_slots))[::-1]
         self.waiting: deque[SequenceState] = deque()
         self.num_preemptions = 0
+        self.num_prefilled_tokens = 0  # tokens computed by prefill chunks
+        self.num_cached_tokens = 0  # tokens admissions found in the prefix cache
         self._admissions = 0
 
     # -- queries ----------------------------------------------------------------------------
@@ -200,6 +237,7 @@ class Scheduler:
         """Gives back the slot and pages of a sequence (finish, abort, preemption, error)."""
         assert seq.slot is not None
         if self.pages is not None:
+            self.register_pages(seq)
             self.pages.free(seq.pages)
         self.slots[seq.slot] = None
         self.free_slots.append(seq.slot)
@@ -219,7 +257,10 @@ class Scheduler:
         """This step's rows; admits and preempts as it goes (see the module docstring)."""
         plan = StepPlan()
         self._plan_decode(plan)
-        self._plan_prefill(plan, admit=not plan.preempted)
+        budget = self.chunks.max_batch_tokens if self.chunks is not None else 0
+        if self.max_num_batched_tokens is not None:
+            budget = min(budget, self.max_num_batched_tokens - len(plan.decode))
+        self._plan_prefill(plan, not plan.preempted, budget)
         if plan.prefill:
             plan.prefill_rows = rung(self.row_ladder, len(plan.prefill))
             if self.chunks is not None:
@@ -228,15 +269,34 @@ class Scheduler:
         return plan
 
     def advance(self, plan: StepPlan) -> None:
-        """Records the keys a step put in the cache once it ran."""
+        """Records the keys a step puts in the cache and the tokens it samples, once it is
+        dispatched; registers the prefilled pages in the prefix cache."""
         for seq in plan.decode:
             seq.num_computed += 1
         for row in plan.prefill:
             row.seq.num_computed = row.start + row.length
+            self.num_prefilled_tokens += row.length
+            self.register_pages(row.seq)
+        for seq in plan.samples:
+            seq.in_flight += 1
+
+    def register_pages(self, seq: SequenceState) -> None:
+        """Registers the full pages of ``seq`` whose keys are computed and whose tokens the
+        host has (a decoded token is known one step after its keys are written)."""
+        if self.pages is None or not self.pages.enable_prefix_caching:
+            return
+        full = min(seq.num_computed, len(seq.prompt) + len(seq.generated)) // self.page_size
+        if full > seq.num_registered:
+            keys = seq.keys(full, self.page_size)
+            for j in range(seq.num_registered, full):
+                self.pages.register(seq.pages[j], keys[j])
+            seq.num_registered = full
 
     def _plan_decode(self, plan: StepPlan) -> None:
         for seq in [s for s in self.running() if not s.prefilling]:
             if seq.slot is None:  # preempted for an older sequence in this loop
+                continue
+            if seq.num_scheduled >= seq.max_new:  # its last token is in flight
                 continue
             if self.pages is not None and seq.num_computed // self.page_size >= len(seq.pages):
                 while self.pages.num_free == 0 and seq.slot is not None:
@@ -246,49 +306,68 @@ class Scheduler:
                 seq.pages += self.pages.allocate(1)
             plan.decode.append(seq)
 
-    def _plan_prefill(self, plan: StepPlan, admit: bool) -> None:
+    def _plan_prefill(self, plan: StepPlan, admit: bool, budget: int) -> None:
         rows = plan.prefill
         for seq in self.running():
-            if seq.prefilling and not self._add_chunk(rows, seq):
+            if seq.prefilling and not self._add_chunk(rows, seq, budget):
                 return
         while admit and self.waiting and self.free_slots:
             seq = self.waiting[0]
-            need = self.pages_for(len(seq.prompt) + len(seq.generated))
-            if self.pages is not None and need > self.pages.num_free:
+            if seq.in_flight or not self._room(rows, budget):  # a preempted one's last token
                 break
-            if not self._room(rows):
-                break
+            cached = self._cached_pages(seq)
+            if self.pages is not None:
+                need = self.pages_for(len(seq.tokens)) - len(cached)
+                if need > self.pages.num_free - self.pages.idle_among(cached):
+                    break
             self.waiting.popleft()
-            self._admit(seq)
-            self._add_chunk(rows, seq)
+            self._admit(seq, cached)
+            self._add_chunk(rows, seq, budget)
 
-    def _room(self, rows: list[PrefillRow]) -> int:
+    def _cached_pages(self, seq: SequenceState) -> list[int]:
+        """The pages of the prefix cache that ``seq`` can start with (never its last token's:
+        that token is computed, for its logits)."""
+        if self.pages is None or not self.pages.enable_prefix_caching:
+            return []
+        full = (len(seq.tokens) - 1) // self.page_size
+        return self.pages.cached_prefix(seq.keys(full, self.page_size))
+
+    def _room(self, rows: list[PrefillRow], budget: int) -> int:
         """The longest chunk one more prefill row could take (0: no room this step), keeping
-        rows x chunk (both padded to their ladders) within the budget."""
+        rows x chunk (both padded to their ladders) within ``budget``."""
         n = len(rows) + 1
         if n > self.row_ladder[-1]:
             return 0
         if self.chunks is None:
             return 1 << 62  # a whole prompt
-        cap = self.chunks.max_batch_tokens // rung(self.row_ladder, n)
+        cap = budget // rung(self.row_ladder, n)
         if cap < self.chunks.chunk_ladder[0] or any(row.length > cap for row in rows):
             return 0
         return cap
 
-    def _add_chunk(self, rows: list[PrefillRow], seq: SequenceState) -> bool:
-        cap = self._room(rows)
+    def _add_chunk(self, rows: list[PrefillRow], seq: SequenceState, budget: int) -> bool:
+        cap = self._room(rows, budget)
         if cap:
             start = seq.num_computed
             rows.append(PrefillRow(seq, start, min(seq.prefill_target - start, cap)))
         return bool(cap)
 
-    def _admit(self, seq: SequenceState) -> None:
+    def _admit(self, seq: SequenceState, cached: list[int]) -> None:
         seq.slot = self.free_slots.pop()
-        # Everything it holds is recomputed: its prompt and, after a preemption, its output.
+        # Everything it holds is computed again but what the prefix cache has: its prompt
+        # and, after a preemption, its output.
         seq.prefill_target = len(seq.prompt) + len(seq.generated)
+        seq.num_computed = seq.num_registered = 0
         if self.pages is not None:
-            seq.pages = self.pages.allocate(self.pages_for(seq.prefill_target))
-        seq.num_computed = 0
+            looked_up = (seq.prefill_target - 1) // self.page_size
+            if self.pages.enable_prefix_caching:
+                self.pages.acquire(cached, looked_up)
+            fresh = self.pages.allocate(self.pages_for(seq.prefill_target) - len(cached))
+            seq.pages = cached + fresh
+            seq.num_computed = seq.num_registered = len(cached)
+            seq.num_computed *= self.page_size
+        seq.num_cached_tokens = seq.num_computed
+        self.num_cached_tokens += seq.num_computed
         seq.admitted = self._admissions
         self._admissions += 1
         self.slots[seq.slot] = seq

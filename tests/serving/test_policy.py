@@ -34,10 +34,12 @@ def seq(i: int, prompt_len: int) -> SequenceState:
 
 
 def run_step(s: Scheduler) -> StepPlan:
-    """One step as the engine runs it: plan, (device), advance, one token per sampled row."""
+    """One step as the engine runs it: plan, (device), advance, then one token read back per
+    sampled row."""
     plan = s.plan()
     s.advance(plan)
     for row in plan.samples:
+        row.in_flight -= 1
         row.generated.append(7)
     return plan
 
