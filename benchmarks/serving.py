@@ -1,4 +1,5 @@
-"""Serving throughput and latency of ``sj.Engine`` on Llama-3-8B shapes, against HF transformers.
+"""Serving throughput and latency of ``sj.Engine`` on Llama-3-8B shapes, against HF transformers
+and a gpt-fast-style PyTorch peer, with the workload's roofline.
 
     python -m benchmarks serving           # on the H200 (several minutes)
     python -m benchmarks serving --tiny    # a tiny config on any backend, seconds
@@ -11,42 +12,61 @@ distribution: lognormal fits to the shape of the ShareGPT V3 conversations vLLM'
     prompt tokens ~ round(lognormal(mu=ln 128, sigma=1.0)), clipped to [4, 1024]  (mean ~210)
     output tokens ~ round(lognormal(mu=ln 128, sigma=0.9)), clipped to [4, 512]   (mean ~190)
 
-Clients: closed loop at each concurrency C (1, 64, 128): C requests are kept
-in flight, a new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have
-finished (C=1 over all 512 would take most of an hour). One engine (128 slots, 16-token pages,
-max_model_len 2048, every shape compiled by ``warmup`` first) serves all levels; its decode
-step runs all 128 rows at every C, so low-C latency carries that cost.
+Clients: closed loop at each concurrency C (1, 64, 128, 256): C requests are kept in flight, a
+new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have finished (C=1
+over all 512 would take most of an hour). One engine (256 slots, 16-token pages, max_model_len
+2048, every shape compiled by ``warmup`` first) serves all levels; its decode step runs the
+smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows.
+
+Shared-prefix workload: every request is one 1,000-token system prompt, then a 64-token
+question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
+on) and once on a second engine with it off (same shapes: nothing compiles again).
 
 Per level: output tokens/s (tokens of finished requests / wall time), TTFT (submit to first
-token) and TPOT ((finish - first token) / (tokens - 1)), p50 and p99.
+token) and TPOT ((finish - first token) / (tokens - 1)), p50 and p99; and the workload's
+roofline: the decode steps it needs (output tokens / C) each reading the weights once, every
+generated token reading its context's keys and values once, at the read ceiling, plus its
+prompts' FLOPs at the matmul rate, both ceilings measured in this run. At C=1 the TPOT is
+compared with the bare decode step at one row and the level's mean context (device-timed);
+at C=64 a profile of 24 steps gives the device's idle fraction.
 
-Peer: HF ``LlamaForCausalLM`` (torch, bf16, sdpa, same GPU, in a child process run first so
-torch and JAX never share GPU memory) with ``generate`` over static batches of ``--hf-batch``
-(64) requests: prompts left-padded to the batch's longest, every row generating the batch's
-longest output. Its throughput counts only the tokens each request asked for, so padding and
-rows kept running past their own end are the cost of static batching they are.
-``--tiny`` runs fp32 on the CPU.
+Peers, each in a child process run first so torch and JAX never share GPU memory: HF
+``LlamaForCausalLM`` (torch, bf16, sdpa) with ``generate`` over static batches of
+``--hf-batch`` (64) requests (prompts left-padded to the batch's longest, every row
+generating the batch's longest output), and a gpt-fast-style model (static KV cache,
+``torch.compile(mode="reduce-overhead")``) over the same static batches. Their throughput
+counts only the tokens each request asked for, so padding and rows kept running past their
+own end are the cost of static batching they are. ``--tiny`` runs fp32 on the CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from benchmarks.common import (
     LLAMA3_8B,
     TINY_LLAMA,
     Report,
+    ceilings,
+    chain_seconds,
     hf_llama_kwargs,
+    kv_bytes_per_token,
     peer_in_subprocess,
+    prefill_flops,
     random_params,
     ratio,
     torch_available,
+    weight_bytes_per_step,
 )
 from spark_jax.config import ModelConfig
 
@@ -57,7 +77,7 @@ class Plan:
 
     config: ModelConfig
     requests: int = 512
-    concurrency: tuple[int, ...] = (1, 64, 128)
+    concurrency: tuple[int, ...] = (1, 64, 128, 256)
     prompt_median: int = 128
     prompt_sigma: float = 1.0
     prompt_range: tuple[int, int] = (4, 1024)
@@ -65,7 +85,7 @@ class Plan:
     output_sigma: float = 0.9
     output_range: tuple[int, int] = (4, 512)
     max_model_len: int = 2048
-    engine_slots: int = 128
+    engine_slots: int = 256
     page_size: int = 16
     max_batch_tokens: int = 1024
     max_prefill_seqs: int = 4
@@ -74,6 +94,12 @@ class Plan:
     hf_batch: int = 64
     hf_requests: int = 128
     dtype: str = "bfloat16"
+    shared_prefix: int = 1000  # the shared-prefix workload: system prompt, question, answer
+    question: int = 64
+    answer: int = 128
+    shared_requests: int = 48
+    shared_concurrency: int = 8
+    profile_concurrency: int = 64  # the level whose steps are profiled (device idle time)
 
     def engine_kwargs(self) -> dict[str, int]:
         """``sj.Engine`` keyword arguments of this plan's engine."""
@@ -106,6 +132,12 @@ SMALL = Plan(
     hf_batch=8,
     hf_requests=8,
     dtype="float32",  # the CPU backend has no bf16 x bf16 -> f32 batched dot
+    shared_prefix=100,
+    question=8,
+    answer=8,
+    shared_requests=12,
+    shared_concurrency=4,
+    profile_concurrency=8,
 )
 
 
@@ -126,6 +158,32 @@ def workload(plan: Plan, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
+def shared_prefix_workload(plan: Plan, seed: int = 1) -> list[tuple[list[int], int]]:
+    """One system prompt for all, a question of its own each, a fixed answer length."""
+    rng = np.random.default_rng(seed)
+    vocab = plan.config.vocab_size
+    system = rng.integers(0, vocab, plan.shared_prefix).tolist()
+    return [
+        (system + rng.integers(0, vocab, plan.question).tolist(), plan.answer)
+        for _ in range(plan.shared_requests)
+    ]
+
+
+def roofline(
+    plan: Plan, done: list[tuple[int, int]], concurrency: int, peaks: dict[str, float]
+) -> dict[str, float]:
+    """The least time the finished requests ((prompt, output) lengths) need at ``concurrency``:
+    output / C decode steps each reading the weights once, every generated token reading its
+    context's K/V once (read ceiling), and the prompts' FLOPs at the matmul rate."""
+    c = plan.config
+    outputs = sum(n for _, n in done)
+    kv = kv_bytes_per_token(c) * sum(n * p + n * (n - 1) / 2 for p, n in done)
+    decode_bytes = outputs / concurrency * weight_bytes_per_step(c) + kv
+    flops = sum(prefill_flops(c, 1, p) for p, _ in done)
+    seconds = decode_bytes / peaks["read_bytes_per_s"] + flops / peaks["matmul_flop_s"]
+    return {"bytes": decode_bytes, "flops": flops, "seconds": seconds, "tok_s": outputs / seconds}
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None}
@@ -136,32 +194,70 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 # The engine.
 
 
-def build_engine(plan: Plan) -> tuple[Any, dict[str, float]]:
+def build_engine(plan: Plan, **options: Any) -> tuple[Any, dict[str, float]]:
     """``sj.Engine`` over a random model, every shape compiled by ``warmup``."""
     import spark_jax as sj
 
     start = time.perf_counter()
     model = sj.Model(plan.config, random_params(plan.config, plan.dtype))
-    engine = sj.Engine(model, **plan.engine_kwargs())
+    engine = sj.Engine(model, **plan.engine_kwargs(), **options)
     built = time.perf_counter()
     engine.warmup()
     return engine, {"init_s": built - start, "warmup_s": time.perf_counter() - built}
 
 
-def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
-    """Closed-loop clients: ``concurrency`` requests in flight until all have finished."""
+def bare_decode_seconds(engine: Any, context: int, steps: int = 40) -> float:
+    """The device's time for one decode step at width 1 around ``context`` keys (the engine's
+    own program), dispatched back to back: what a token costs with no serving around it.
+    Each step adds a key, so the run starts half its steps before ``context``. Run while the
+    engine is idle: it writes into pages nobody holds."""
+    from spark_jax.serving.executor import upload
+
+    ex = engine.executor
+    page, total = ex.state.page_size, steps * 5  # chain_seconds: 2 warm-up + 3 timed rounds
+    start = max(1, context - total // 2)
+    table = np.full((1, ex.width_ladder[-1]), ex.num_pages, np.int32)
+    used = min(table.shape[1], -(-(start + total + 1) // page))
+    table[0, :used] = np.arange(used)
+    tokens, active = upload(np.zeros((1,), np.int32)), upload(np.ones((1,), bool))
+    state = ex.state.with_block_table(upload(table)).with_lengths(upload(np.array([start])))
+
+    def step(st: Any) -> Any:
+        return ex.runner.decode(st, tokens, active)[1]
+
+    seconds, _, ex.state = chain_seconds(step, state, steps)
+    return seconds
+
+
+def run_level(
+    engine: Any,
+    requests: list[tuple[list[int], int]],
+    concurrency: int,
+    profile_steps: tuple[int, int] | None = None,
+) -> dict:
+    """Closed-loop clients: ``concurrency`` requests in flight until all have finished.
+    ``profile_steps`` (first, count): those engine steps are traced (``device_idle``)."""
     import spark_jax as sj
 
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
     done: list[dict[str, float]] = []
+    trace_dir, steps = None, 0
     start = time.perf_counter()
     while queue or inflight:
         while queue and len(inflight) < concurrency:
             prompt, n = queue.pop(0)
             params = sj.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            inflight[engine.add_request(prompt, params)] = {"submit": time.perf_counter()}
-        for out in engine.step():
+            record = {"submit": time.perf_counter(), "prompt": len(prompt)}
+            inflight[engine.add_request(prompt, params)] = record
+        if profile_steps and steps == profile_steps[0]:
+            trace_dir = tempfile.mkdtemp()
+            jax.profiler.start_trace(trace_dir)
+        outputs = engine.step()
+        steps += 1
+        if trace_dir and steps == profile_steps[0] + profile_steps[1]:
+            jax.profiler.stop_trace()
+        for out in outputs:
             now = time.perf_counter()
             record = inflight[out.request_id]
             record.setdefault("first", now)
@@ -172,7 +268,7 @@ def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: i
     ttft = [r["first"] - r["submit"] for r in done]
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in done)
-    return {
+    level = {
         "concurrency": concurrency,
         "requests": len(done),
         "output_tokens": tokens,
@@ -180,7 +276,40 @@ def run_level(engine: Any, requests: list[tuple[list[int], int]], concurrency: i
         "output_tok_s": tokens / wall,
         "ttft_s": percentiles(ttft),
         "tpot_s": percentiles(tpot),
+        "lengths": [(int(r["prompt"]), int(r["tokens"])) for r in done],
+        "mean_context": float(np.mean([r["prompt"] + r["tokens"] / 2 for r in done])),
     }
+    if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
+        level["device_idle"] = device_idle(trace_dir)
+    return level
+
+
+def device_idle(trace_dir: str) -> dict[str, float]:
+    """The device's idle time inside a trace: the gaps between its kernels on every stream,
+    merged, over the span from the first kernel to the last."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        return {"error": "no trace written"}
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    spans = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+    if not spans:
+        return {"error": "no device events in the trace (a CPU backend)"}
+    spans.sort()
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    total = spans[-1][1] - spans[0][0] if spans else 0
+    total = max(total, max(b for _, b in spans) - spans[0][0])
+    return {"span_ms": total / 1e6, "busy_ms": busy / 1e6, "idle_fraction": 1 - busy / total}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,39 +387,119 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     plan = dataclasses.replace(SMALL if tiny else FULL, **overrides)
     per_level = (lambda c: plan.requests) if "requests" in overrides else None
     report = Report()
-    if not peer:
-        hf: dict[str, Any] = {"error": "left out (--no-peer)"}
-    elif not torch_available():
-        hf = {"error": "torch/transformers not installed"}
-    else:
-        hf = peer_in_subprocess("serving", tiny, timeout_s=1800)
+    peers = {
+        "hf_static_batches": ("serving", ""),
+        "gpt_fast_static_batches": ("gpt_fast", "serving"),
+    }
+    peer_results = {}
+    for name, (suite, arg) in peers.items():
+        if not peer:
+            peer_results[name] = {"error": "left out (--no-peer)"}
+        elif not torch_available():
+            peer_results[name] = {"error": "torch/transformers not installed"}
+        else:
+            peer_results[name] = peer_in_subprocess(suite, tiny, timeout_s=1800, arg=arg)
+        tok_s = peer_results[name].get("output_tok_s")
+        if tok_s:
+            report.peers[f"{name}_tok_s"] = tok_s
+        else:
+            report.notes.append(f"{name} peer: {peer_results[name].get('error', '')[-300:]}")
+    peaks = ceilings(tiny)
+    report.peers |= peaks
     engine, timings = build_engine(plan)
     report.details |= timings
     requests = workload(plan)
-    hf_tok_s = hf.get("output_tok_s")
-    if hf_tok_s:
-        report.peers["hf_static_batches_tok_s"] = hf_tok_s
-    else:
-        report.notes.append(f"HF peer: {hf.get('error', '')[-300:]}")
-    table = [["C", "tok/s", "x HF", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]]
+    counts = {
+        c: per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
+        for c in plan.concurrency
+    }
+    if 1 in counts:  # the bare step at the context the C=1 level will see, while idle
+        mean_context = np.mean([len(p) + n / 2 for p, n in requests[: counts[1]]])
+        report.peers["bare_decode_bs1_ms"] = bare_decode_seconds(engine, int(mean_context)) * 1e3
+    hf_tok_s = report.peers.get("hf_static_batches_tok_s")
+    gpt_tok_s = report.peers.get("gpt_fast_static_batches_tok_s")
+    table = [
+        [
+            "C",
+            "tok/s",
+            "roofline",
+            "x HF",
+            "x gpt-fast",
+            "TTFT p50 ms",
+            "TPOT p50 ms",
+            "TPOT p99 ms",
+        ]
+    ]
     for c in plan.concurrency:
-        count = per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
-        level = run_level(engine, requests[:count], c)
+        profile = (8, 24) if c == plan.profile_concurrency else None
+        level = run_level(engine, requests[: counts[c]], c, profile)
+        level["roofline"] = roofline(plan, level.pop("lengths"), c, peaks)
         report.details[f"c{c}"] = level
         report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
         report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
+        report.peers[f"c{c}_roofline_tok_s"] = level["roofline"]["tok_s"]
+        report.ratios[f"c{c}_of_roofline"] = ratio(
+            level["output_tok_s"], level["roofline"]["tok_s"]
+        )
         report.ratios[f"c{c}_over_hf"] = ratio(level["output_tok_s"], hf_tok_s)
+        report.ratios[f"c{c}_over_gpt_fast"] = ratio(level["output_tok_s"], gpt_tok_s)
+        if "device_idle" in level and "idle_fraction" in level["device_idle"]:
+            report.figures[f"c{c}_device_idle_fraction"] = level["device_idle"]["idle_fraction"]
         table.append(
             [
                 c,
                 level["output_tok_s"],
+                level["roofline"]["tok_s"],
                 report.ratios[f"c{c}_over_hf"],
+                report.ratios[f"c{c}_over_gpt_fast"],
                 level["ttft_s"]["p50"] * 1e3,
-                level["ttft_s"]["p99"] * 1e3,
                 level["tpot_s"]["p50"] * 1e3,
                 level["tpot_s"]["p99"] * 1e3,
             ]
         )
-    report.details["hf"] = hf
+    if "bare_decode_bs1_ms" in report.peers and "c1_tpot_p50_ms" in report.figures:
+        # > 1 would be a TPOT below the bare step; the target is >= 1 / 1.10.
+        report.ratios["bare_step_over_c1_tpot"] = ratio(
+            report.peers["bare_decode_bs1_ms"], report.figures["c1_tpot_p50_ms"]
+        )
+    report.details["metrics"] = dataclasses.asdict(engine.metrics())
+    shared = shared_prefix_workload(plan)
+    on = run_level(engine, shared, plan.shared_concurrency)
+    del engine
+    engine, _ = build_engine(plan, enable_prefix_caching=False)
+    off = run_level(engine, shared, plan.shared_concurrency)
+    for name, level in (("on", on), ("off", off)):
+        level.pop("lengths")
+        report.details[f"shared_prefix_cache_{name}"] = level
+        report.figures[f"shared_prefix_cache_{name}_ttft_p50_ms"] = level["ttft_s"]["p50"] * 1e3
+        report.figures[f"shared_prefix_cache_{name}_tok_s"] = level["output_tok_s"]
+    report.ratios["shared_prefix_ttft_off_over_on"] = ratio(
+        off["ttft_s"]["p50"], on["ttft_s"]["p50"]
+    )
+    table.append(
+        [
+            "shared prefix",
+            "cache on",
+            "",
+            "",
+            "",
+            on["ttft_s"]["p50"] * 1e3,
+            on["tpot_s"]["p50"] * 1e3,
+            "",
+        ]
+    )
+    table.append(
+        [
+            "shared prefix",
+            "cache off",
+            "",
+            "",
+            "",
+            off["ttft_s"]["p50"] * 1e3,
+            off["tpot_s"]["p50"] * 1e3,
+            "",
+        ]
+    )
+    report.details["peers"] = peer_results
     report.table = table
     return report

@@ -97,3 +97,19 @@ def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, s
     ]
     print(f"{implementation}: {len(gaps)} of {len(fast)} sequences differ; top-2 gaps: {gaps}")
     assert all(gap < NEAR_TIE for gap in gaps), gaps
+
+
+def test_gpu_memory_utilization_sizes_the_page_pool_from_the_free_memory(caplog):
+    model = _model(sj.KernelOptions())
+    stats = jax.devices()[0].memory_stats()
+    with caplog.at_level("INFO", logger="spark_jax.serving"):
+        engine = Engine(model, max_num_seqs=16, max_model_len=128, gpu_memory_utilization=0.2)
+    pages = engine.scheduler.pages.num_pages
+    page_bytes = engine.executor.state.nbytes / pages
+    room = 0.2 * stats["bytes_limit"] - stats["bytes_in_use"]
+    assert pages % 16 == 0 and 0.5 * room < pages * page_bytes <= room
+    assert any("KV cache:" in r.getMessage() for r in caplog.records)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    params = sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    alone = [sj.generate(model, p, params).output_tokens for p in prompts]
+    assert [r.output_tokens for r in engine.generate_many(prompts, params)] == alone

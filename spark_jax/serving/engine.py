@@ -121,6 +121,7 @@ class _Request:
     def result(self) -> GenerationResult:
         now = time.perf_counter()
         timings = {"total_s": now - self.arrival, "preemptions": float(self.seq.num_preemptions)}
+        timings["cached_tokens"] = float(self.seq.num_cached_tokens)  # from the prefix cache
         if self.first_token_at is not None:
             timings["ttft_s"] = self.first_token_at - self.arrival
         return self.out.result(timings)
@@ -516,7 +517,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         beams = self._beam_requests is not None and bool(self._beam_requests.ids)
-        return bool(self._requests or self._pending or self._in_flight) or beams
+        # A step still in flight holds only rows of requests held here, or of ended ones.
+        return bool(self._requests or self._pending) or beams
 
     def metrics(self) -> EngineMetrics:
         """What the engine holds now and has done so far."""

@@ -22,6 +22,7 @@ The ``warm_*`` methods are the inputs and runs of ``spark_jax.serving.warmup``.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -289,6 +290,7 @@ class PagedExecutor:
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq
         self.decode_widths = decode_widths
+        self.decode_steps_by_width: Counter[int] = Counter()
         self.state = commit(
             PagedKVCache.create(
                 c.num_layers, num_slots, num_pages, page_size, max_pages_per_seq,
@@ -343,6 +345,7 @@ class PagedExecutor:
     def _decode(self, rows: list[SequenceState], slots: Sequence[SequenceState | None]) -> Picks:
         """The decoding rows packed at the lowest decode width that holds them."""
         b = rung(self.decode_widths, len(rows))
+        self.decode_steps_by_width[b] += 1
         width = rung(self.width_ladder, max(len(s.pages) for s in rows))
         row_slots = np.full((b,), self.num_slots, np.int32)
         row_slots[: len(rows)] = [s.slot for s in rows]

@@ -340,8 +340,10 @@ class Scheduler:
             return 0
         if self.chunks is None:
             return 1 << 62  # a whole prompt
-        cap = budget // rung(self.row_ladder, n)
-        if cap < self.chunks.chunk_ladder[0] or any(row.length > cap for row in rows):
+        # The longest rung within the budget: a chunk is padded up to a rung.
+        most = budget // rung(self.row_ladder, n)
+        cap = max((t for t in self.chunks.chunk_ladder if t <= most), default=0)
+        if not cap or any(row.length > cap for row in rows):
             return 0
         return cap
 

@@ -98,50 +98,38 @@ def test_64_mixed_requests_give_the_tokens_each_gives_alone(tiny_llama, invarian
     assert {r.finish_reason for r in results} == {"length", "stop"}
 
 
-def test_a_warmed_engine_never_compiles(invariance_run):
+def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invariance_run):
     *_, compiles = invariance_run
     assert compiles == 0
+    assert set(engine.executor.decode_steps_by_width) == {1, 2, 4, 8, 16}
 
 
-def test_2000_requests_with_random_aborts_leave_no_page_or_slot_in_use(engine):
-    rng = np.random.RandomState(2)
-    ids: list[int] = []
-    ended: dict[int, sj.GenerationResult] = {}
-
-    def collect(outputs):
-        for out in outputs:
-            if out.finished:
-                assert out.request_id not in ended  # every request ends exactly once
-                ended[out.request_id] = out.result
-
-    for wave in range(20):
-        for i in range(100):
-            prompt = random_prompt(wave * 100 + i, int(rng.randint(1, 9)))
-            ids.append(engine.add_request(prompt, mixed_params(i, int(rng.randint(1, 9)))))
-        for _ in range(4):
-            for request_id in rng.choice(ids[-150:], size=6):  # waiting, running or ended
-                engine.abort(int(request_id))
-            collect(engine.step())
-    collect(engine.run())
-    assert sorted(ended) == ids
-    assert engine.pages_in_use == 0 and engine.slots_in_use == 0
-    aborted = [r for r in ended.values() if r.finish_reason == "abort"]
-    assert any(r.output_tokens for r in aborted)  # mid-stream
-    assert any(not r.output_tokens for r in aborted)  # before their first token
+def system_prompt_requests(n: int, seed: int):
+    """``n`` requests: one of 3 system prompts (40 tokens: 2 full pages of 16) + a question."""
+    rng = np.random.RandomState(seed)
+    systems = [random_prompt(600 + k, 40) for k in range(3)]
+    prompts = [
+        systems[rng.randint(3)] + random_prompt(700 + i, int(rng.randint(1, 20))) for i in range(n)
+    ]
+    return prompts, [mixed_params(i, int(rng.randint(1, 9))) for i in range(n)]
 
 
-def test_more_demand_than_pages_waits_or_preempts_and_all_complete_correctly(tiny_llama):
+def test_200_requests_sharing_system_prompts_give_the_tokens_they_give_uncached(tiny_llama):
     _, model = tiny_llama
-    # 12 pages of 16 = 192 tokens for requests of up to 130 tokens each.
-    small = Engine(model, max_num_seqs=8, max_batch_tokens=64, kv_pages=12, max_prefill_seqs=2)
-    rng = np.random.RandomState(3)
-    prompts = [random_prompt(300 + i, int(rng.randint(30, 71))) for i in range(10)]
-    params = [mixed_params(i, int(rng.randint(40, 61))) for i in range(10)]
-    results = small.generate_many(prompts, params)
-    assert small.num_preemptions > 0
-    assert any(r.timings["preemptions"] > 0 for r in results)
-    assert [r.output_tokens for r in results] == solo(model, prompts, params)
-    assert small.pages_in_use == 0 and small.slots_in_use == 0
+    prompts, params = system_prompt_requests(200, seed=5)
+    runs, metrics = {}, {}
+    for caching in (True, False):
+        eng = Engine(model, max_num_seqs=8, max_batch_tokens=64, enable_prefix_caching=caching)
+        runs[caching] = eng.generate_many(prompts, params)
+        assert eng.pages_in_use == 0 and eng.slots_in_use == 0
+        eng.scheduler.pages.check()
+        metrics[caching] = eng.metrics()
+    assert [r.output_tokens for r in runs[True]] == [r.output_tokens for r in runs[False]]
+    on, off = metrics[True], metrics[False]
+    assert on.prefix_cache_hit_rate > 0.5 and off.prefix_cache_hit_rate is None
+    per_request = sum(r.timings["cached_tokens"] for r in runs[True])
+    assert on.cached_prompt_tokens == per_request > 0 and off.cached_prompt_tokens == 0
+    assert on.prompt_tokens + on.cached_prompt_tokens == off.prompt_tokens
 
 
 # -------------------------------------------------------------------------------- the APIs
@@ -267,6 +255,16 @@ def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_pa
     base = [dataclasses.replace(p, adapter=None) for p in params]
     assert solo(model, prompts, base) != [r.output_tokens for r in results]  # adapters act
     assert engine.slots_in_use == 0 and engine.pages_in_use == 0
+    # One 40-token prompt (2 full pages) under each adapter in turn: an adapter's second
+    # request finds its own pages, never another adapter's (nor the base's).
+    shared = random_prompt(990, 40)
+    cached = []
+    for name in ["a", "b", None, "a", None]:
+        p = sj.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, adapter=name)
+        (result,) = engine.generate_many([shared], p)
+        assert result.output_tokens == sj.generate(model, shared, p).output_tokens
+        cached.append(result.timings["cached_tokens"])
+    assert cached == [0, 0, 0, 32, 32]
 
 
 def test_an_engine_over_device_committed_weights_never_compiles_after_warmup(tiny_llama):
@@ -280,3 +278,18 @@ def test_an_engine_over_device_committed_weights_never_compiles_after_warmup(tin
     with CompileCounter() as counter:
         engine.generate_many([random_prompt(7, 20), random_prompt(8, 5)], mixed_params(0, 4))
     assert counter.count == 0
+
+
+def test_gpu_memory_utilization_needs_a_device_that_reports_its_memory(tiny_llama):
+    if jax.devices()[0].memory_stats():
+        pytest.skip("this device reports its memory (tests/test_gpu_paths.py covers it)")
+    with pytest.raises(ValueError, match="pass kv_pages instead"):
+        Engine(tiny_llama[1], max_num_seqs=4, gpu_memory_utilization=0.9)
+
+
+def test_a_step_budget_or_decode_widths_that_cannot_work_are_refused(tiny_llama):
+    model = tiny_llama[1]
+    with pytest.raises(ValueError, match="max_num_batched_tokens=20 leaves no room"):
+        Engine(model, max_num_seqs=8, max_num_batched_tokens=20)
+    with pytest.raises(ValueError, match="decode_widths must be positive and end at"):
+        Engine(model, max_num_seqs=8, decode_widths=[1, 4])

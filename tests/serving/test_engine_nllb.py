@@ -46,6 +46,9 @@ def test_engine_on_an_encoder_decoder_model_drives_the_dense_cache(engine):
     assert isinstance(engine.executor, DenseExecutor) and engine.pages_in_use == 0
     with pytest.raises(ValueError, match="page_size does not apply to an encoder-decoder"):
         sj.Engine(engine.model, page_size=16)
+    with pytest.raises(ValueError, match="prefix caching does not apply to an encoder-decoder"):
+        sj.Engine(engine.model, enable_prefix_caching=True)
+    assert not engine.enable_prefix_caching and engine.metrics().prefix_cache_hit_rate is None
 
 
 def test_20_mixed_translations_give_what_each_gives_alone_and_never_compile(model, engine):

@@ -23,10 +23,14 @@ from spark_jax.serving.scheduler import (
 )
 
 
-def paged(slots=4, pages=8, page_size=4, max_batch_tokens=64, chunk_low=16, rows=4) -> Scheduler:
+def paged(
+    slots=4, pages=8, page_size=4, max_batch_tokens=64, chunk_low=16, rows=4, caching=False,
+    max_num_batched_tokens=None,
+) -> Scheduler:  # fmt: skip
     budget = ChunkBudget(max_batch_tokens, pow2_ladder(chunk_low, max_batch_tokens))
     top = max(1, min(rows, max_batch_tokens // chunk_low))
-    return Scheduler(slots, pow2_ladder(1, top), PageAllocator(pages), page_size, budget)
+    pool = PageAllocator(pages, enable_prefix_caching=caching)
+    return Scheduler(slots, pow2_ladder(1, top), pool, page_size, budget, max_num_batched_tokens)
 
 
 def seq(i: int, prompt_len: int) -> SequenceState:
@@ -204,9 +208,116 @@ def test_the_dense_policy_prefills_whole_sources_and_never_preempts():
 def run_step_after(s: Scheduler, plan: StepPlan) -> None:
     s.advance(plan)
     for row in plan.samples:
+        row.in_flight -= 1
         row.generated.append(7)
 
 
 def test_a_page_pool_needs_a_page_size():
     with pytest.raises(ValueError, match="page_size"):
         Scheduler(2, [1], PageAllocator(4))
+
+
+def finish(s: Scheduler, x: SequenceState) -> None:
+    s.release(x)
+    s.pages.check()
+
+
+# ------------------------------------------------------------------------- prefix caching
+
+
+def test_a_prompt_starting_with_cached_pages_computes_only_the_rest():
+    s = paged(slots=2, pages=16, page_size=4, caching=True)
+    first = SequenceState(0, list(range(10)))
+    s.add(first)
+    run_step(s)  # 10 tokens: pages 0-1 full and registered, page 2 partial
+    assert s.pages.num_cached == 2
+    second = SequenceState(1, list(range(8)) + [50, 51, 52])  # shares the first 8 tokens
+    s.add(second)
+    plan = s.plan()
+    assert [(r.seq, r.start, r.length) for r in plan.prefill] == [(second, 8, 3)]
+    assert second.pages[:2] == first.pages[:2] and second.num_cached_tokens == 8
+    assert all(s.pages.references(p) == 2 for p in first.pages[:2])
+    assert s.pages.hit_rate == 0.5  # first found none of its 2 full pages, second both
+    s.advance(plan)
+    finish(s, first)
+    finish(s, second)
+    assert s.pages.in_use == 0 and s.pages.num_cached == 2
+
+
+def test_a_prompt_wholly_cached_still_computes_its_last_token():
+    s = paged(slots=2, pages=16, page_size=4, caching=True)
+    s.add(a := SequenceState(0, list(range(8))))
+    run_step(s)
+    a_pages = list(a.pages)
+    finish(s, a)
+    s.add(b := SequenceState(1, list(range(8))))
+    plan = s.plan()
+    # Page 1 holds the last token, whose logits b samples: it is computed, in a page of b's.
+    assert [(r.start, r.length) for r in plan.prefill] == [(4, 4)] and b.pages[0] == a_pages[0]
+    assert b.pages[1] != a_pages[1]
+
+
+def test_keys_depend_on_every_earlier_token_and_on_the_adapter():
+    s = paged(slots=3, pages=24, page_size=4, caching=True)
+    s.add(a := SequenceState(0, list(range(12)), cache_salt="fr"))
+    run_step(s)
+    s.add(other := SequenceState(1, list(range(12)), cache_salt="de"))  # another adapter
+    s.add(shifted := SequenceState(2, [99] + list(range(1, 12)), cache_salt="fr"))
+    plan = s.plan()
+    assert [(r.seq, r.start) for r in plan.prefill] == [(other, 0), (shifted, 0)]
+    assert not set(other.pages) & set(a.pages) and not set(shifted.pages) & set(a.pages)
+    assert other.num_cached_tokens == shifted.num_cached_tokens == 0
+
+
+def test_idle_cached_pages_are_evicted_least_recently_released_first():
+    s = paged(slots=1, pages=4, page_size=4, caching=True)
+    s.add(a := SequenceState(0, list(range(9))))  # 2 full pages + 1
+    run_step(s)
+    finish(s, a)
+    assert s.pages.num_free == 4 and s.pages.num_cached == 2  # idle, still cached
+    s.add(b := SequenceState(1, [70 + i for i in range(13)]))  # needs all 4 pages
+    run_step(s)
+    assert s.pages.num_cached == 3  # a's pages evicted, b's 3 full pages registered
+    finish(s, b)
+    s.add(c := SequenceState(2, list(range(9))))
+    plan = s.plan()
+    assert plan.prefill[0].seq is c and plan.prefill[0].start == 0  # a's pages are gone
+
+
+def test_preemption_and_aborts_with_the_cache_leave_no_page_or_reference_behind():
+    rng = __import__("random").Random(0)
+    s = paged(slots=4, pages=12, page_size=4, max_batch_tokens=32, chunk_low=16, caching=True)
+    prefixes = [list(range(100 * k, 100 * k + 8)) for k in range(3)]
+    live: list[SequenceState] = []
+    for i in range(2000):
+        x = SequenceState(i, rng.choice(prefixes) + [rng.randrange(1000)] * rng.randint(1, 6))
+        x.max_new = rng.randint(1, 12)
+        s.add(x)
+        live.append(x)
+        run_step(s)
+        for y in [y for y in live if y.slot is not None and len(y.generated) >= y.max_new]:
+            s.release(y)  # finished
+            live.remove(y)
+        if rng.random() < 0.3 and live:
+            s.remove(victim := rng.choice(live))  # aborted, waiting or running
+            live.remove(victim)
+        s.pages.check()
+    assert s.num_preemptions > 0 and s.pages.hits > 0
+    for y in live:
+        s.remove(y)
+    s.pages.check()
+    assert s.pages.in_use == 0 and s.slots_in_use == 0
+    assert all(s.pages.references(p) == 0 for p in range(12))
+
+
+def test_the_step_budget_counts_decode_rows_before_prefill_chunks():
+    s = paged(slots=4, pages=64, page_size=4, max_batch_tokens=64, chunk_low=16,
+              max_num_batched_tokens=50)  # fmt: skip
+    for i in range(2):
+        s.add(seq(i, 3))
+    run_step(s)  # two rows decode from now on
+    s.add(long := seq(9, 60))
+    plan = s.plan()
+    # 50 - 2 decode rows = 48 tokens of prefill: the chunk ladder's 32 (16, 32, 64).
+    assert len(plan.decode) == 2 and [(r.seq, r.length) for r in plan.prefill] == [(long, 32)]
+    assert (plan.prefill_rows, plan.prefill_len) == (1, 32)
