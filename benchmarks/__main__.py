@@ -5,6 +5,7 @@ its figures and its peer in the same run, then prints one JSON line (suite, devi
 figures, peers, ratios, notes) and a table; the line is also written to ``--out`` (default
 ``benchmarks/results/<suite>-<time>.json``) and to ``$OUT/<suite>.json`` when $OUT is set.
 
+Peers that several suites share (``gpt_fast``) are modules run only as ``--peer-json`` children.
 ``--tiny`` runs tiny random shapes on any backend in seconds (peers that need a GPU are
 skipped with a note). ``--against DIR`` runs the suite twice in child processes, first with
 the checkout DIR's ``spark_jax`` first on sys.path, then with this tree's, peers left out,
@@ -24,12 +25,13 @@ import time
 from pathlib import Path
 
 SUITES = ("decode", "prefill", "attention", "serving", "nllb", "lora", "speculative", "startup")
+PEERS = ("gpt_fast",)  # peer-only modules: run by a suite through --peer-json, never alone
 REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("suite", choices=SUITES)
+    parser.add_argument("suite", choices=SUITES + PEERS)
     parser.add_argument("--tiny", action="store_true", help="tiny random shapes, any backend")
     parser.add_argument("--out", default=None, help="where to write the JSON line")
     parser.add_argument("--against", default=None, help="an older checkout to run side by side")
@@ -53,7 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
     parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
     parser.add_argument("--peer-arg", default="", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.suite in PEERS and not args.peer_json:
+        parser.error(f"{args.suite} is a peer, not a suite: a suite runs it with --peer-json")
+    return args
 
 
 def run_child(suite: str, tiny: bool, tree: Path, out: Path, extra: list[str]) -> dict:
