@@ -42,9 +42,12 @@ own end are the cost of static batching they are. ``--tiny`` runs fp32 on the CP
 from __future__ import annotations
 
 import dataclasses
+import gc
 import glob
+import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -381,6 +384,12 @@ def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None
         torch.cuda.synchronize()
 
 
+def progress(name: str, level: dict[str, Any]) -> None:
+    """One line per finished level on stderr, so a run cut short still tells what it got."""
+    keys = ("output_tok_s", "ttft_s", "tpot_s", "roofline", "device_idle")
+    print(name, json.dumps({k: level[k] for k in keys if k in level}), file=sys.stderr)
+
+
 def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     """The suite; ``overrides`` replace plan fields (``concurrency``, ``requests``), and a
     level then finishes ``requests`` requests whatever its concurrency."""
@@ -408,6 +417,7 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     report.peers |= peaks
     engine, timings = build_engine(plan)
     report.details |= timings
+    print("engine", json.dumps(timings), file=sys.stderr)
     requests = workload(plan)
     counts = {
         c: per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
@@ -416,6 +426,7 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     if 1 in counts:  # the bare step at the context the C=1 level will see, while idle
         mean_context = np.mean([len(p) + n / 2 for p, n in requests[: counts[1]]])
         report.peers["bare_decode_bs1_ms"] = bare_decode_seconds(engine, int(mean_context)) * 1e3
+        print("bare decode bs=1 ms", report.peers["bare_decode_bs1_ms"], file=sys.stderr)
     hf_tok_s = report.peers.get("hf_static_batches_tok_s")
     gpt_tok_s = report.peers.get("gpt_fast_static_batches_tok_s")
     table = [
@@ -435,6 +446,7 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
         level = run_level(engine, requests[: counts[c]], c, profile)
         level["roofline"] = roofline(plan, level.pop("lengths"), c, peaks)
         report.details[f"c{c}"] = level
+        progress(f"C={c}", level)
         report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
         report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
         report.peers[f"c{c}_roofline_tok_s"] = level["roofline"]["tok_s"]
@@ -465,9 +477,12 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     report.details["metrics"] = dataclasses.asdict(engine.metrics())
     shared = shared_prefix_workload(plan)
     on = run_level(engine, shared, plan.shared_concurrency)
-    del engine
+    progress("shared prefix, cache on", on)
+    del engine  # its page pool, before the second engine takes one of its own
+    gc.collect()
     engine, _ = build_engine(plan, enable_prefix_caching=False)
     off = run_level(engine, shared, plan.shared_concurrency)
+    progress("shared prefix, cache off", off)
     for name, level in (("on", on), ("off", off)):
         level.pop("lengths")
         report.details[f"shared_prefix_cache_{name}"] = level
