@@ -7,6 +7,7 @@ their JSON only.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 6
+def test_the_readme_lists_every_notebook_and_no_other():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = set(re.findall(r"^- `(\d\d_\w+\.ipynb)`:", readme, re.MULTILINE))
+    assert NOTEBOOKS and listed == {p.name for p in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
