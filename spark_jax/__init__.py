@@ -20,6 +20,7 @@ from spark_jax.generation.speculative import (
 )
 from spark_jax.generation.step import LoopOptions
 from spark_jax.model import Model, load
+from spark_jax.models.common import ForwardOutput
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.sampling import SamplingParams
 from spark_jax.serving.engine import Engine, RequestOutput
@@ -31,6 +32,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "Engine",
+    "ForwardOutput",
     "generate_beam",
     "generate_speculative",
     "GenerationResult",

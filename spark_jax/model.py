@@ -8,6 +8,7 @@ implement.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -21,7 +22,9 @@ import numpy as np
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.models import family
+from spark_jax.models.common import ForwardOutput, bucket
 from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.sampling import SamplingParams
 
 
 class SlotPool:
@@ -100,6 +103,113 @@ class Model:
                 raise ValueError("an encoder-decoder model needs decoder_ids for logits.")
             return self.runner.logits(ids, decoder_ids, **kwargs)
         return self.runner.logits(ids, **kwargs)
+
+    # Research: the teacher-forced forward with HF's intermediates, the cache of a prompt and
+    # the log-probabilities of a continuation. These run the reference path (``forward_outputs``
+    # of the family), never the serving steps.
+
+    def forward(
+        self,
+        ids: Sequence[int],
+        decoder_ids: Sequence[int] | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+        adapter: str | None = None,
+    ) -> ForwardOutput:
+        """One sequence through the model, as HF's ``model(ids, output_hidden_states=...,
+        output_attentions=...)`` without the batch axis, as float32 numpy arrays.
+
+        ``.logits`` [T, V]; ``.hidden_states``: L + 1 arrays [T, D] (the embeddings, each
+        layer's output, the last after the final norm); ``.attentions``: L arrays [N, T, T] of
+        probabilities. An encoder-decoder reads ``ids`` as the source and describes its decoder
+        over ``decoder_ids`` (start token, target language, tokens), adding ``.cross_attentions``
+        (L arrays [N, T, S_src]).
+        """
+        ids = list(ids)
+        if not ids:
+            raise ValueError("ids is empty; give at least one token.")
+        lora = None if adapter is None else self.runner.lora_input([self.adapter_slot(adapter)])
+        options = dataclasses.replace(self.options, implementation="xla", pallas_layer_norm=False)
+        flags = {
+            "output_hidden_states": output_hidden_states,
+            "output_attentions": output_attentions,
+            "options": options,
+        }
+        forward_outputs = family(self.config).forward_outputs
+        if self.config.is_encoder_decoder:
+            if not decoder_ids:
+                raise ValueError(
+                    "an encoder-decoder model needs decoder_ids for forward (start with "
+                    "[decoder_start_token_id, target language id])."
+                )
+            self.runner.check_source(ids)
+            t, s = len(decoder_ids), len(ids)
+            pad = self.config.pad_token_id
+            src, dec = _padded(ids, pad), _padded(decoder_ids, pad)
+            out = forward_outputs(
+                self.runner.params, self.config, src, np.array([s], np.int32), dec, lora, **flags
+            )
+        else:
+            if decoder_ids is not None:
+                raise ValueError("a decoder-only model takes no decoder_ids; pass ids alone.")
+            t = s = len(ids)
+            tokens = _padded(ids, 0)
+            out = forward_outputs(
+                self.runner.params, self.config, tokens, np.array([t], np.int32), lora, **flags
+            )
+        keep = lambda arrays, cut: None if arrays is None else tuple(cut(a) for a in arrays)
+        return ForwardOutput(
+            logits=np.asarray(out.logits[0, :t], np.float32),
+            hidden_states=keep(out.hidden_states, lambda h: np.asarray(h[0, :t], np.float32)),
+            attentions=keep(out.attentions, lambda a: np.asarray(a[0, :, :t, :t])),
+            cross_attentions=keep(out.cross_attentions, lambda a: np.asarray(a[0, :, :t, :s])),
+        )
+
+    def continuation_logprobs(
+        self,
+        ids: Sequence[int],
+        continuation: Sequence[int],
+        tgt_lang: str | None = None,
+        adapter: str | None = None,
+    ) -> np.ndarray:
+        """float32 [len(continuation)]: log p(continuation[i] | ids, continuation[:i]),
+        teacher-forced in one forward. An encoder-decoder reads ``ids`` as the source and the
+        continuation as the target after ``[decoder_start, tgt_lang]`` (the default target
+        language when None)."""
+        continuation = list(continuation)
+        if not continuation:
+            raise ValueError("continuation is empty; give at least one token to score.")
+        if self.config.is_encoder_decoder:
+            request = SamplingParams(tgt_lang=tgt_lang)
+            seed = [self.config.decoder_start_token_id, self.runner.target_language_id(request)]
+            logits = self.forward(ids, seed + continuation[:-1], adapter=adapter).logits
+            rows = logits[len(seed) - 1 :]
+        else:
+            if tgt_lang is not None:
+                raise ValueError("tgt_lang is for an encoder-decoder; this model is decoder-only.")
+            logits = self.forward(list(ids) + continuation[:-1], adapter=adapter).logits
+            rows = logits[len(ids) - 1 :]
+        logprobs = rows - _logsumexp(rows)
+        return logprobs[np.arange(len(continuation)), continuation]
+
+    def kv_cache(
+        self, ids: Sequence[int], tgt_lang: str | None = None, max_len: int | None = None
+    ) -> Any:
+        """The cache pytree the serving prefill leaves for one prompt (one row): a ``KVCache``
+        for a decoder, an ``EncoderDecoderCache`` (self and cross K/V) for an encoder-decoder,
+        where ``ids`` is the source and the decoder holds its seed. ``max_len``: positions per
+        row (default: the prompt's padded length, or the seed's)."""
+        ids = list(ids)
+        if self.config.is_encoder_decoder:
+            state = self.runner.init_state(1, max_len or bucket(2), len(ids))
+            requests = [SamplingParams(tgt_lang=tgt_lang)]
+        else:
+            if tgt_lang is not None:
+                raise ValueError("tgt_lang is for an encoder-decoder; this model is decoder-only.")
+            state = self.runner.init_state(1, max_len or bucket(len(ids)))
+            requests = []
+        _, state = self.runner.prefill(state, [0], [ids], requests)
+        return state
 
     # LoRA adapters: a fixed pool, so adding one never recompiles a step. Every change builds
     # new params (``_adapt``); steps only read them, and a tree taken from ``params`` earlier
@@ -200,6 +310,18 @@ def load(
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
     options = KernelOptions() if options is None else options
     return Model(config, params, tokenizer, generation_config, options=options)
+
+
+def _padded(ids: Sequence[int], pad: int) -> np.ndarray:
+    """int32 [1, bucket(len(ids))]: one row padded on the right (one compile per bucket)."""
+    row = np.full((1, bucket(len(ids))), pad, np.int32)
+    row[0, : len(ids)] = ids
+    return row
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    peak = x.max(axis=-1, keepdims=True)
+    return peak + np.log(np.exp(x - peak).sum(axis=-1, keepdims=True))
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -1,8 +1,10 @@
-"""Pieces every model family shares: the padding ladder and random parameters."""
+"""Pieces every model family shares: the padding ladder, random parameters and the research
+forward's output."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -31,3 +33,20 @@ def random_params(init: Callable[[jax.Array], Any], key: jax.Array, dtype: jnp.d
         for k, s in zip(keys, leaves, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What a teacher-forced forward returns, as HF's ``output_hidden_states`` /
+    ``output_attentions`` name it (each family's ``forward_outputs``; None where not asked).
+
+    ``hidden_states``: the embeddings, then each layer's output, the last one after the final
+    norm (HF's L + 1). ``attentions``: each layer's self-attention probabilities;
+    ``cross_attentions``: an encoder-decoder's attention over the source, per decoder layer.
+    """
+
+    logits: jax.Array  # fp32 [B, T, V]
+    hidden_states: tuple[jax.Array, ...] | None = None  # L + 1 of [B, T, D]
+    attentions: tuple[jax.Array, ...] | None = None  # L of fp32 [B, N, T, T]
+    cross_attentions: tuple[jax.Array, ...] | None = None  # L of fp32 [B, N, T, S_src]

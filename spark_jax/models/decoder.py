@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.config import ModelConfig
-from spark_jax.models.common import bucket, random_params
+from spark_jax.models.common import ForwardOutput, bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
 from spark_jax.ops.attention import attention, cache_attention
 from spark_jax.ops.kv_cache import KVCache, write_kv
 from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.ops.lora import LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
-from spark_jax.ops.reference import AttentionMask
+from spark_jax.ops.reference import AttentionMask, attention_probabilities
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it. Q/K/V
@@ -127,6 +127,10 @@ class SelfAttention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q = apply_rotary(q, angles)
         k = apply_rotary(k, angles)
+        # For the research forward (``forward_outputs``); a step that does not ask for the
+        # collection leaves it immutable, sow does nothing and the program is unchanged.
+        self.sow("intermediates", "queries", q)
+        self.sow("intermediates", "keys", k)
         k_cache = write_kv(k_cache, k, slots, positions)
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
@@ -334,6 +338,65 @@ def _verify_rows(
     """``verify`` with the config and options bound, in the argument order of
     ``Runner.verify_fn``."""
     return verify(params, config, tokens, lengths, kv, lora, options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Research: the teacher-forced forward with what HF's output flags return. It runs the layers
+# above through the reference attention; no serving step calls it.
+
+
+def _records_layer(module: nn.Module, method_name: str) -> bool:
+    """Flax ``capture_intermediates`` filter: the embedding's and each layer's output."""
+    return method_name == "__call__" and isinstance(module, DecoderLayer | nn.Embed)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("config", "output_hidden_states", "output_attentions", "options"),
+)
+def forward_outputs(
+    params,
+    config: ModelConfig,
+    tokens,
+    lengths,
+    lora=None,
+    *,
+    output_hidden_states: bool = False,
+    output_attentions: bool = False,
+    options: KernelOptions = KernelOptions(implementation="xla"),
+) -> ForwardOutput:
+    """Logits [B, T, V] of every position of tokens[B, T] (first ``lengths[b]`` real), and, when
+    asked, the hidden states and attention probabilities HF returns for them.
+
+    A pure function of ``params``: differentiable (LoRA training takes its gradient).
+    """
+    model = DecoderLM(config, _params_dtype(params), options)
+    b, t = tokens.shape
+    kv = init_cache(config, b, t, _params_dtype(params))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = AttentionMask(query_positions=positions, key_lengths=lengths)
+    apply = partial(model.apply, {"params": params})
+    args = (tokens, positions, mask, kv, None, True, lora)
+    if not (output_hidden_states or output_attentions):
+        hidden, _ = apply(*args)
+        return ForwardOutput(apply(hidden, method=DecoderLM.logits))
+    (hidden, _), state = apply(
+        *args, capture_intermediates=_records_layer, mutable=["intermediates"]
+    )
+    recorded = state["intermediates"]
+    layers = [recorded[f"layers_{i}"] for i in range(config.num_layers)]
+    hidden_states = attentions = None
+    if output_hidden_states:
+        outputs = [layer["__call__"][0][0] for layer in layers[:-1]]  # (x, k, v) per layer
+        hidden_states = (recorded["embed_tokens"]["__call__"][0], *outputs, hidden)
+    if output_attentions:
+        windows = config.sliding_windows or (None,) * config.num_layers
+        attentions = tuple(
+            attention_probabilities(layer["attn"]["queries"][0], layer["attn"]["keys"][0], mask, w)
+            for layer, w in zip(layers, windows, strict=True)
+        )
+    logits = apply(hidden, method=DecoderLM.logits)
+    return ForwardOutput(logits, hidden_states, attentions)
 
 
 def init_params(

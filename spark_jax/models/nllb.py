@@ -39,14 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.config import NllbConfig
-from spark_jax.models.common import bucket, random_params
+from spark_jax.models.common import ForwardOutput, bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
 from spark_jax.ops.attention import attention, packed_cache_step_attention
 from spark_jax.ops.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
-from spark_jax.ops.reference import AttentionMask
+from spark_jax.ops.reference import AttentionMask, attention_probabilities
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it.
@@ -196,6 +196,9 @@ class SelfAttention(nn.Module):
             cache = tuple(cache)
         else:
             q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
+            # For the research forward (``forward_outputs``); a no-op in every other step.
+            self.sow("intermediates", "queries", q)
+            self.sow("intermediates", "keys", k)
             if cache is not None:
                 pairs = zip(cache, (k, v), strict=True)
                 cache = tuple(write_kv(buf, new, slots, cache_positions) for buf, new in pairs)
@@ -227,6 +230,7 @@ class CrossAttention(nn.Module):
 
     def __call__(self, x, k, v, mask, lora=None):
         q = _heads(self.q_proj(x, scope(lora, "q_proj")), self.num_heads)
+        self.sow("intermediates", "queries", q)  # for ``forward_outputs``, as in SelfAttention
         out = _merge_heads(attention(q, k, v, mask, options=self.options))
         return self.out_proj(out, scope(lora, "out_proj"))
 
@@ -583,6 +587,76 @@ def forward(
         method=Nllb.decode,
     )
     return apply(hidden, method=Nllb.logits)
+
+
+def _records_layer(module: nn.Module, method_name: str) -> bool:
+    """Flax ``capture_intermediates`` filter: the decoder's embedding and each layer's output."""
+    if isinstance(module, Nllb):
+        return method_name == "embed"
+    return method_name == "__call__" and isinstance(module, DecoderLayer)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("config", "output_hidden_states", "output_attentions", "options"),
+)
+def forward_outputs(
+    params,
+    config: NllbConfig,
+    src,
+    src_len,
+    decoder_tokens,
+    lora: LoraBatch | None = None,
+    *,
+    output_hidden_states: bool = False,
+    output_attentions: bool = False,
+    options: KernelOptions = KernelOptions(implementation="xla", pallas_layer_norm=False),
+) -> ForwardOutput:
+    """``forward``'s logits [B, T, V] and, when asked, the decoder side of what HF returns:
+    ``decoder_hidden_states``, ``decoder_attentions`` and ``cross_attentions`` (research).
+
+    ``decoder_tokens`` may be right-padded: causal attention keeps padding out of the
+    positions before it.
+    """
+    model = Nllb(config, _params_dtype(params), options)
+    apply = partial(model.apply, {"params": params})
+    cross = apply(apply(src, src_len, lora, method=Nllb.encode), lora, method=Nllb.cross_kv)
+    b, t = decoder_tokens.shape
+    scratch = init_cache(config, b, t, 1, _params_dtype(params))
+    zeros = jnp.zeros_like(src_len)
+    args = (decoder_tokens, zeros, zeros + t, cross, src_len, _self_kv(scratch), None, lora)
+    if not (output_hidden_states or output_attentions):
+        hidden, _ = apply(*args, fresh=True, method=Nllb.decode)
+        return ForwardOutput(apply(hidden, method=Nllb.logits))
+    (hidden, _), state = apply(
+        *args,
+        fresh=True,
+        method=Nllb.decode,
+        capture_intermediates=_records_layer,
+        mutable=["intermediates"],
+    )
+    recorded = state["intermediates"]
+    layers = [recorded[f"decoder_layers_{i}"] for i in range(config.decoder_layers)]
+    hidden_states = attentions = cross_attentions = None
+    if output_hidden_states:
+        outputs = [layer["__call__"][0][0] for layer in layers[:-1]]  # (x, kv) per layer
+        hidden_states = (recorded["embed"][0], *outputs, hidden)
+    if output_attentions:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        self_mask = AttentionMask(positions, zeros + t)
+        cross_mask = AttentionMask(jnp.zeros_like(decoder_tokens), src_len, causal=False)
+        attentions = tuple(
+            attention_probabilities(
+                layer["self_attn"]["queries"][0], layer["self_attn"]["keys"][0], self_mask
+            )
+            for layer in layers
+        )
+        cross_attentions = tuple(
+            attention_probabilities(layer["cross_attn"]["queries"][0], k, cross_mask)
+            for layer, (k, _) in zip(layers, cross, strict=True)
+        )
+    logits = apply(hidden, method=Nllb.logits)
+    return ForwardOutput(logits, hidden_states, attentions, cross_attentions)
 
 
 @partial(jax.jit, static_argnames=("with_cross",), donate_argnames=("cache",))

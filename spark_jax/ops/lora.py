@@ -23,6 +23,10 @@ returns a new params tree (the given one stays intact and valid); ``spark_jax.mo
 builds it when LoRA is enabled and at every adapter add or remove, so steps only read params.
 Once fused, kernels stay fused (``Linear`` slices a widened kernel's output when a step has no
 adapter). The decoder fuses; NLLB runs the pool path.
+
+Adapters are also trained here in JAX: ``init_lora_weights`` starts one as PEFT does,
+``merge_lora`` folds it into the params differentiably (a loss over the model's forward then
+has its gradient), and ``save_peft_adapter`` writes it back in PEFT's format.
 """
 
 from __future__ import annotations
@@ -117,6 +121,104 @@ def read_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
             "they are not supported."
         )
     return LoraAdapter(name or path.name, rank, scale, weights)
+
+
+def save_peft_adapter(
+    path: str | Path,
+    adapter: LoraAdapter,
+    base_model_name_or_path: str | None = None,
+    task_type: str = "CAUSAL_LM",
+) -> Path:
+    """Writes ``adapter`` as a PEFT LoRA directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` and
+    ``read_peft_adapter`` load.
+
+    ``target_modules`` lists the full module names, so PEFT adapts exactly those (an adapter of
+    a few layers stays one). ``task_type``: PEFT's, "SEQ_2_SEQ_LM" for an NLLB adapter.
+    """
+    from safetensors.numpy import save_file
+
+    if not adapter.weights:
+        raise ValueError(f"adapter {adapter.name!r} has no weights to save; train some modules.")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for module, (a, b) in sorted(adapter.weights.items()):
+        if a.shape[0] != adapter.rank or b.shape[1] != adapter.rank:
+            raise ValueError(
+                f"adapter {adapter.name!r} module {module}: lora_A {a.shape} / lora_B {b.shape} "
+                f"are not of its rank {adapter.rank} (A [r, in], B [out, r])."
+            )
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    alpha = adapter.scale * adapter.rank
+    config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": adapter.rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(adapter.weights),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: adapter weights as a pytree of jnp arrays, folded into the params differentiably.
+
+
+def init_lora_weights(
+    targets: Mapping[str, LoraTarget], modules: list[str], rank: int, key: jax.Array
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """PEFT's initial LoRA of ``modules``: per module (A [r, in], B [out, r]), A drawn as
+    PEFT's kaiming-uniform (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zero, so training
+    starts from the base model."""
+    unknown = [m for m in modules if m not in targets]
+    if unknown:
+        raise ValueError(
+            f"modules {unknown[:3]} cannot be adapted in this model; pick from its LoRA targets "
+            f"(e.g. {sorted(targets)[:2]})."
+        )
+    keys = jax.random.split(key, len(modules))
+    weights = {}
+    for k, module in zip(keys, modules, strict=True):
+        t = targets[module]
+        bound = 1.0 / math.sqrt(t.in_dim)
+        a = jax.random.uniform(k, (rank, t.in_dim), jnp.float32, -bound, bound)
+        weights[module] = (a, jnp.zeros((t.out_dim, rank), jnp.float32))
+    return weights
+
+
+def merge_lora(
+    params: Mapping,
+    targets: Mapping[str, LoraTarget],
+    weights: Mapping[str, tuple[jax.Array, jax.Array]],
+    scale: float,
+) -> dict:
+    """``params`` with each module's ``scale * (B A)`` added to its part of our (fused) kernel:
+    a new tree, differentiable in ``weights`` (what a training step takes the gradient of).
+    ``params`` must be plain (not ``LoraPool.fused_params``)."""
+    updates: dict[tuple[str, ...], jax.Array] = {}
+    for module, (a, b) in weights.items():
+        t = targets[module]
+        key = t.path + ("kernel",)
+        kernel = updates.get(key, _get(params, key))
+        if kernel.shape[1] != t.total_out:
+            raise ValueError(
+                f"{module}: its kernel is fused with adapter columns; merge plain params."
+            )
+        delta = (scale * (a.T @ b.T)).astype(kernel.dtype)  # [in, out]
+        updates[key] = kernel.at[:, t.out_start : t.out_start + t.out_dim].add(delta)
+    return _replace(params, updates)
 
 
 def _check_adapter(adapter: LoraAdapter, targets: Mapping[str, LoraTarget], max_rank: int) -> None:

@@ -56,17 +56,37 @@ def reference_attention(
 ) -> jax.Array:
     """Softmax attention in fp32: q [B,T,N,H], k/v [B,S,K,H] -> [B,T,N,H] in q's dtype."""
     b, t, n, h = q.shape
+    probs = _grouped_probabilities(q, k, mask, sliding_window, scale)
+    out = jnp.einsum(
+        "bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def attention_probabilities(
+    q: jax.Array,
+    k: jax.Array,
+    mask: AttentionMask,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """The reference's softmax weights, fp32 [B,N,T,S] (HF's ``attentions`` layout): q
+    [B,T,N,H], k [B,S,K,H]; query head n reads kv head n // G, as HF's ``repeat_kv``."""
+    probs = _grouped_probabilities(q, k, mask, sliding_window, scale)
+    b, kv_heads, g, t, s = probs.shape
+    return probs.reshape(b, kv_heads * g, t, s)
+
+
+def _grouped_probabilities(q, k, mask, sliding_window, scale) -> jax.Array:
+    """fp32 [B,K,G,T,S]: softmax(scale q k) over the visible keys, heads grouped by kv head."""
+    b, t, n, h = q.shape
     kv_heads = k.shape[2]
     scale = h**-0.5 if scale is None else scale
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     visible = mask.dense(k.shape[1], sliding_window)[:, None, None, :, :]
     scores = jnp.where(visible, scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(
-        "bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    return jax.nn.softmax(scores, axis=-1)
 
 
 def split_kv_attention(
