@@ -85,6 +85,10 @@ class Model:
 
     @property
     def dtype(self) -> jnp.dtype:
+        """The activations' dtype (the runner's; a quantized kernel's narrow type is not it)."""
+        runner_dtype = getattr(self.runner, "dtype", None)
+        if runner_dtype is not None:
+            return runner_dtype
         return jax.tree_util.tree_leaves(self.params)[0].dtype
 
     def logits(
@@ -195,11 +199,33 @@ def load(
     hf_config = json.loads(config_file.read_text())
     config = config_from_hf(hf_config)
     params = restore_params(path / PARAMS_DIR, dtype=dtype)
+    _check_quantized(path, config, params)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
     options = KernelOptions() if options is None else options
     return Model(config, params, tokenizer, generation_config, options=options)
+
+
+def _check_quantized(path: Path, config: Any, params: Any) -> None:
+    """A quantized config's narrow kernels each need their scales in the checkpoint."""
+    if getattr(config, "quantization", None) is None:
+        return
+    from spark_jax.models.params import SCALE
+
+    missing = []
+    for p in family(config).declare(config).quantized:
+        node = params
+        for key in p.path[:-1]:
+            node = node.get(key, {})
+        if SCALE not in node:
+            missing.append("/".join(p.scale_path))
+    if missing:
+        raise ValueError(
+            f"{path}: config.json says the weights are {config.quantization.weights} but "
+            f"{len(missing)} kernel scales are missing from its params (first: {missing[0]}); "
+            "convert the model again."
+        )
 
 
 def _has_tokenizer(path: Path) -> bool:
