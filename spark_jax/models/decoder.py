@@ -224,9 +224,13 @@ class DecoderLM(nn.Module):
 # Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
 
 
-def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+def init_cache(
+    config: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, kv_cache_dtype="auto"
+) -> KVCache:
+    """An empty cache; ``kv_cache_dtype="fp8"`` holds K/V as E4M3 (``spark_jax.ops.kv_cache``)."""
+    c = config
     return KVCache.create(
-        config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim, dtype
+        c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype
     )
 
 
@@ -388,6 +392,7 @@ class Runner:
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
+        self.kv_cache_dtype = "auto"  # the Model sets "fp8" for an E4M3 K/V cache
         # Adapters' A columns join the kernels (one GEMM) unless the kernels are narrow.
         self._fuse_lora = config.quantization is None
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
@@ -398,7 +403,7 @@ class Runner:
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
-        return init_cache(self.config, num_slots, max_len, self.dtype)
+        return init_cache(self.config, num_slots, max_len, self.dtype, self.kv_cache_dtype)
 
     def prefill(
         self,
