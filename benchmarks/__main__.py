@@ -52,6 +52,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--requests", type=int, default=None, help="serving: finished requests per level"
     )
+    parser.add_argument(
+        "--quantize",
+        nargs="+",
+        default=None,
+        choices=("fp8", "int8"),
+        help="decode: also run these weight quantizations, beside the float model",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=("fp8",),
+        help="decode: also run the batch case with this K/V cache type, beside the float one",
+    )
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
     parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
     parser.add_argument("--peer-arg", default="", help=argparse.SUPPRESS)
@@ -118,6 +131,10 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--concurrency", *map(str, args.concurrency)]
     if args.requests:
         out += ["--requests", str(args.requests)]
+    if args.quantize:
+        out += ["--quantize", *args.quantize]
+    if args.kv_cache_dtype:
+        out += ["--kv-cache-dtype", args.kv_cache_dtype]
     return out
 
 
@@ -128,6 +145,10 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["concurrency"] = tuple(args.concurrency)
     if args.requests:
         out["requests"] = args.requests
+    if args.quantize:
+        out["quantize"] = tuple(args.quantize)
+    if args.kv_cache_dtype:
+        out["kv_cache_dtype"] = args.kv_cache_dtype
     return out
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks decode            # on the H200, ~3 minutes
     python -m benchmarks decode --tiny     # tiny fp32 model, any backend, seconds
+    python -m benchmarks decode --quantize fp8 int8 --kv-cache-dtype fp8   # side by side
 
 Random bf16 weights. ``bs1``: ``sj.generate`` of one prompt of 3968 tokens, 128 new (greedy,
 EOS ignored), the decode phase's tokens/s (tokens after the first over the time after it).
@@ -12,6 +13,12 @@ read-only ceiling measured in this run. Peer: HF transformers ``LlamaForCausalLM
 bf16, eager and sdpa attention, same GPU, a process of its own run first), per-token time by
 CUDA events after a prompt of the same length at bs=1 and of 512 tokens at bs=64 (a longer
 eager prefill of 64 rows runs out of memory); its ratio is ours over HF's best.
+
+``--quantize fp8 int8``: the same cases again with the linear layers' weights quantized
+(weight-only, per output channel, ``spark_jax.ops.quant``) from the same random weights, in the
+same process after the float model; ``bs1_fp8_over_bf16`` and the like are their speed over
+the float model's. ``--kv-cache-dtype fp8``: a batch case at ``kv_prompt`` keys (64 rows of
+4,096 on the H200) with the float and the fp8 K/V cache, and ``kv_fp8_over_bf16``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class Plan:
     repeats: int = 3
     hf_batch_prompt: int = 512
     hf_steps: int = 20
+    kv_prompt: int = 4032
 
 
 FULL = Plan()
@@ -58,6 +66,7 @@ TINY = Plan(
     repeats=2,
     hf_batch_prompt=32,
     hf_steps=4,
+    kv_prompt=96,
 )
 
 
@@ -84,7 +93,9 @@ def measure(call: Any, repeats: int) -> dict[str, float]:
     return {"tok_s": rates[len(rates) // 2], "ttft_s": ttfts[len(ttfts) // 2], "first_s": first_s}
 
 
-def run(tiny: bool, peer: bool = True) -> Report:
+def run(
+    tiny: bool, peer: bool = True, quantize: tuple[str, ...] = (), kv_cache_dtype: str | None = None
+) -> Report:
     import spark_jax as sj
 
     plan = TINY if tiny else FULL
@@ -92,12 +103,19 @@ def run(tiny: bool, peer: bool = True) -> Report:
     report = Report()
     hf = peer_figures(tiny) if peer else {"error": "left out (--no-peer)"}
     ceiling = ceilings(tiny)
-    model = sj.Model(config, random_params(config, dtype))
+    params = random_params(config, dtype)
+    model = sj.Model(config, params)
     sampling = sj.SamplingParams(temperature=0.0, max_tokens=plan.new_tokens, ignore_eos=True)
     prompt = random_prompts(config.vocab_size, 1, plan.bs1_prompt, seed=1)[0]
     prompts = random_prompts(config.vocab_size, plan.batch, plan.batch_prompt, seed=2)
-    bs1 = measure(lambda: [sj.generate(model, prompt, sampling)], plan.repeats)
-    batch = measure(lambda: sj.generate_batch(model, prompts, sampling), plan.repeats)
+    bs1 = measure(lambda m=model: [sj.generate(m, prompt, sampling)], plan.repeats)
+    batch = measure(lambda m=model: sj.generate_batch(m, prompts, sampling), plan.repeats)
+    if kv_cache_dtype:
+        kv_case(report, params, config, plan, sampling, kv_cache_dtype)
+    del model
+    if quantize:
+        quantized_cases(report, params, config, plan, sampling, quantize, prompt, prompts)
+    del params
     itemsize = 4 if dtype == "float32" else 2
     for name, figure, rows, prompt_len in (
         ("bs1", bs1, 1, plan.bs1_prompt),
@@ -141,9 +159,62 @@ def run(tiny: bool, peer: bool = True) -> Report:
             f"HF bs={plan.batch} decodes after {plan.hf_batch_prompt}-token prompts, ours after "
             f"{plan.batch_prompt}: its ratio flatters HF"
         )
+    for scheme in quantize:
+        for name in ("bs1", f"bs{plan.batch}"):
+            ours = report.figures[f"{name}_{scheme}_tok_s"]
+            report.ratios[f"{name}_{scheme}_over_bf16"] = ours / report.figures[f"{name}_tok_s"]
+            rows.append([f"{name} {scheme}", ours, None, None, None, None, None])
+    if kv_cache_dtype:
+        rows.append([f"kv bs{plan.batch} {dtype}", report.figures["kv_tok_s"], *[None] * 5])
+        kv = report.figures[f"kv_{kv_cache_dtype}_tok_s"]
+        rows.append([f"kv bs{plan.batch} {kv_cache_dtype}", kv, *[None] * 5])
+        report.ratios[f"kv_{kv_cache_dtype}_over_bf16"] = kv / report.figures["kv_tok_s"]
     report.details["hf"] = hf
     report.table = rows
     return report
+
+
+def quantized_cases(
+    report: Report,
+    params: Any,
+    config: Any,
+    plan: Plan,
+    sampling: Any,
+    schemes: tuple[str, ...],
+    prompt: list[int],
+    prompts: list[list[int]],
+) -> None:
+    """The bs=1 and batch cases with each weight quantization of the same random weights."""
+    import dataclasses
+
+    import spark_jax as sj
+    from spark_jax.config import QuantizationConfig
+    from spark_jax.models import declare
+
+    for scheme in schemes:
+        quantized = dataclasses.replace(config, quantization=QuantizationConfig(scheme))
+        model = sj.Model(quantized, declare(quantized).quantize(params))
+        bs1 = measure(lambda m=model: [sj.generate(m, prompt, sampling)], plan.repeats)
+        batch = measure(lambda m=model: sj.generate_batch(m, prompts, sampling), plan.repeats)
+        for name, figure in (("bs1", bs1), (f"bs{plan.batch}", batch)):
+            report.figures[f"{name}_{scheme}_tok_s"] = figure["tok_s"]
+            report.details[f"{name}_{scheme}_first_call_s"] = figure["first_s"]
+        del model
+
+
+def kv_case(
+    report: Report, params: Any, config: Any, plan: Plan, sampling: Any, kv_cache_dtype: str
+) -> None:
+    """A batch over ``plan.kv_prompt`` keys per row, with the float and the narrow K/V cache."""
+    import spark_jax as sj
+
+    prompts = random_prompts(config.vocab_size, plan.batch, plan.kv_prompt, seed=3)
+    for name, cache_dtype in (("kv", "auto"), (f"kv_{kv_cache_dtype}", kv_cache_dtype)):
+        model = sj.Model(config, params, kv_cache_dtype=cache_dtype)
+        figure = measure(lambda m=model: sj.generate_batch(m, prompts, sampling), plan.repeats)
+        report.figures[f"{name}_tok_s"] = figure["tok_s"]
+        report.details[f"{name}_first_call_s"] = figure["first_s"]
+        del model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,19 @@
 """Convert an HF model directory or a GGUF file into a spark_jax checkpoint directory.
 
     python -m conversion.hf_to_orbax SRC DST [--dtype bfloat16|float32]
+        [--quantize fp8|int8|none] [--group-size G] [--quantize-lm-head]
 
 SRC is an HF directory (``config.json`` with ``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) or a llama.cpp ``.gguf`` file. DST receives the layout
 described in ``spark_jax.checkpoint``: config.json, generation_config.json, tokenizer files
 and the orbax params checkpoint.
+
+``--quantize`` stores the linear layers' kernels narrow (weight-only, fp8 E4M3 or int8) with
+float32 scales per output channel, or per group of G input channels with ``--group-size``;
+embeddings, norms and (unless ``--quantize-lm-head``) the LM head keep ``--dtype``. The scheme
+goes into DST/config.json's ``quantization_config``. A source already quantized (fp8 weights in
+the compressed-tensors layout: ``weight`` + ``weight_scale``, as vLLM reads them) keeps its
+weights and scales as they are; it is never dequantized or quantized again.
 
 Every tensor name and shape is checked against the model's weight spec before any weight is
 read, and each failure is one ``ConversionError`` saying what is wrong and what to do. Pickle
@@ -16,6 +24,7 @@ arbitrary code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -25,15 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from spark_jax import checkpoint
-from spark_jax.config import config_from_hf
-from spark_jax.models import params_from_hf, weight_spec
+from spark_jax.config import WEIGHT_QUANTIZATIONS, QuantizationConfig, config_from_hf
+from spark_jax.models import declare
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -303,17 +311,32 @@ class _CountingTensors(Mapping[str, np.ndarray]):
         return len(self._tensors)
 
 
+QUANTIZE_CHOICES = (*WEIGHT_QUANTIZATIONS, "none")
+
+
 def convert(
-    src: str | Path, dst: str | Path, dtype: str = "bfloat16", progress: bool = True
+    src: str | Path,
+    dst: str | Path,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+    quantize: str | None = None,
+    group_size: int | None = None,
+    quantize_lm_head: bool = False,
 ) -> Path:
     """Convert SRC (HF directory or .gguf) into the checkpoint directory DST; returns DST.
 
-    DST must not exist or be empty. It is written under a temporary name and renamed at the
-    end, so a failed conversion never leaves a directory that looks converted.
+    ``quantize``: "fp8" or "int8" (weight-only, see the module docstring), "none", or None for
+    the source's own scheme (none for a float source). DST must not exist or be empty. It is
+    written under a temporary name and renamed at the end, so a failed conversion never leaves
+    a directory that looks converted.
     """
     dst = Path(dst)
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ConversionError(
+            f"--quantize {quantize!r} is not supported; use one of {', '.join(QUANTIZE_CHOICES)}."
+        )
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConversionError(f"{dst} already exists and is not empty; remove it or pick another.")
 
@@ -322,8 +345,18 @@ def convert(
         config = config_from_hf(source.hf_config)
     except (ValueError, KeyError, TypeError) as error:
         raise ConversionError(f"{src}: config.json cannot be used: {error}") from error
-    spec = weight_spec(config)
-    problems = spec.check(source.tensors.shapes())
+    config, prequantized = _quantization(config, src, quantize, group_size, quantize_lm_head)
+    declaration = declare(config)
+    spec = declaration.weight_spec(prequantized)
+    found = source.tensors.shapes()
+    missing_scales = sorted(n for n in spec.required if n.endswith("_scale") and n not in found)
+    if missing_scales:
+        raise ConversionError(
+            f"{src}: config.json says the weights are quantized (fp8, compressed-tensors) but "
+            f"{len(missing_scales)} weight_scale tensors are missing (first: "
+            f"{missing_scales[0]}); the checkpoint is incomplete, download or save it again."
+        )
+    problems = spec.check(found)
     if problems:
         raise ConversionError(
             f"{src}: the weights do not match the {source.hf_config.get('model_type')} model "
@@ -333,16 +366,16 @@ def convert(
 
     used = len(spec.required) + sum(name in source.tensors for name in spec.optional)
     with tqdm(total=used, desc="reading weights", unit="tensor", disable=not progress) as bar:
-        params = params_from_hf(config, _CountingTensors(source.tensors, bar))
-    target = DTYPES[dtype]
-    # astype also makes each leaf contiguous (params_from_hf returns transposed views) and
-    # detaches it from memory-mapped source files.
-    params = jax.tree.map(lambda leaf: np.asarray(leaf).astype(target), params)
+        params = declaration.from_hf(_CountingTensors(source.tensors, bar))
+    # The cast also makes each leaf contiguous (from_hf returns transposed views) and detaches
+    # it from memory-mapped source files; quantized kernels and their scales keep their types.
+    params = declaration.cast(params, DTYPES[dtype])
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        (staging / checkpoint.CONFIG_FILE).write_bytes(source.config_bytes)
+        quantization = getattr(config, "quantization", None)
+        checkpoint.save_config(staging, source.config_bytes, quantization)
         for name, content in source.extra_files.items():
             if isinstance(content, Path):
                 shutil.copyfile(content, staging / name)
@@ -359,6 +392,49 @@ def convert(
     return dst
 
 
+def _quantization(
+    config: Any, src: Any, quantize: str | None, group_size: int | None, lm_head: bool
+) -> tuple[Any, bool]:
+    """The config with the scheme the converted params will hold, and whether the source
+    already holds it (a compressed-tensors checkpoint: weights and scales read as they are)."""
+    held = getattr(config, "quantization", None)
+    if held is not None:
+        if quantize == "none":
+            raise ConversionError(
+                f"{src} holds {held.weights} weights (compressed-tensors) and --quantize none "
+                "would save them unquantized, which is refused; omit --quantize to keep them."
+            )
+        if quantize not in (None, held.weights) or group_size is not None or lm_head:
+            raise ConversionError(
+                f"{src} already holds {held.weights} weights with per-channel scales; they are "
+                "never quantized again: omit --quantize, --group-size and --quantize-lm-head."
+            )
+        return config, True
+    if quantize in (None, "none"):
+        if group_size is not None or lm_head:
+            raise ConversionError(
+                "--group-size and --quantize-lm-head need --quantize fp8 or int8; add it."
+            )
+        return config, False
+    if config.is_encoder_decoder:
+        raise ConversionError(
+            f"--quantize is for decoder-only models; {config.model_type} converts unquantized."
+        )
+    try:
+        scheme = QuantizationConfig(quantize, group_size, lm_head)
+    except ValueError as error:
+        raise ConversionError(str(error)) from error
+    config = dataclasses.replace(config, quantization=scheme)
+    if group_size is not None:
+        in_dims = {config.hidden_size, config.q_size, config.intermediate_size}
+        if any(d % group_size for d in in_dims):
+            raise ConversionError(
+                f"--group-size {group_size} does not divide every quantized layer's input "
+                f"size ({', '.join(map(str, sorted(in_dims)))}); pick a common divisor."
+            )
+    return config, False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m conversion.hf_to_orbax",
@@ -367,9 +443,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="HF model directory or .gguf file")
     parser.add_argument("dst", help="output directory (must not exist, or be empty)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    # Checked by convert (not argparse's choices) so a bad value is one line of ours.
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        help="weight-only quantization: fp8, int8 or none (default: the source's own)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="input channels per scale (default: all)"
+    )
+    parser.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head")
     args = parser.parse_args(argv)
     try:
-        dst = convert(args.src, args.dst, args.dtype)
+        dst = convert(
+            args.src,
+            args.dst,
+            args.dtype,
+            quantize=args.quantize,
+            group_size=args.group_size,
+            quantize_lm_head=args.quantize_lm_head,
+        )
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

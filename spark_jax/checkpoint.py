@@ -2,7 +2,8 @@
 
 A converted directory ``DST`` holds everything needed to serve one model offline::
 
-    DST/config.json              the HF config dict, verbatim
+    DST/config.json              the HF config dict: verbatim, or with its quantization scheme
+                                 as ``quantization_config`` when the weights are quantized
     DST/generation_config.json   when the source had one
     DST/tokenizer.json ...       tokenizer files under their HF names, whichever exist
     DST/params/                  orbax checkpoint of the params pytree (nested dict of arrays)
@@ -37,6 +38,19 @@ TOKENIZER_FILES = (
 Params = dict[str, Any]
 
 
+def save_config(path: str | Path, config_bytes: bytes, quantization: Any = None) -> None:
+    """Write ``DST/config.json``: the source's bytes, or, for a quantized model, its dict with
+    ``quantization_config`` set to the scheme its params hold
+    (``spark_jax.config.QuantizationConfig``, read back by ``config_from_hf``)."""
+    target = Path(path) / CONFIG_FILE
+    if quantization is None:
+        target.write_bytes(config_bytes)
+        return
+    hf_config = json.loads(config_bytes)
+    hf_config["quantization_config"] = quantization.to_hf()
+    target.write_text(json.dumps(hf_config, indent=2))
+
+
 def save_params(path: str | Path, params: Params) -> None:
     """Write a params pytree (nested dict of numpy or jax arrays) as an orbax checkpoint.
 
@@ -63,6 +77,8 @@ def _tree_metadata(checkpointer: ocp.PyTreeCheckpointer, path: Path) -> Any:
 def restore_params(path: str | Path, dtype: Any = None) -> Params:
     """Read a params checkpoint onto the default device, optionally cast to ``dtype``.
 
+    Quantized kernels (one-byte fp8 / int8 leaves) keep their type whatever ``dtype`` is.
+
     Each leaf is read straight into a device array of the target dtype by orbax's
     tensorstore backend (cast during the read), so a 16 GB checkpoint needs no per-leaf
     Python copy or a second pass over host memory.
@@ -75,7 +91,7 @@ def restore_params(path: str | Path, dtype: Any = None) -> Params:
     target = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(
             tuple(leaf.shape),
-            np.dtype(dtype if dtype is not None else leaf.dtype),
+            np.dtype(leaf.dtype if dtype is None or _is_narrow(leaf.dtype) else dtype),
             sharding=sharding,
         ),
         _tree_metadata(checkpointer, path),
@@ -84,6 +100,10 @@ def restore_params(path: str | Path, dtype: Any = None) -> Params:
     return checkpointer.restore(
         path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
     )
+
+
+def _is_narrow(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 1
 
 
 def is_converted_dir(path: str | Path) -> bool:

@@ -3,6 +3,9 @@
 Configs are frozen dataclasses: hashable, so a config is a valid static argument of a jitted
 step and equal configs share one compilation. Both the old (``rope_theta``, ``rope_scaling``,
 ``torch_dtype``) and the transformers-5 (``rope_parameters``, ``dtype``) spellings are accepted.
+
+A quantized checkpoint says so in ``quantization_config`` (HF's key): either ours (written by
+``conversion.hf_to_orbax --quantize``) or compressed-tensors' fp8 layout, as vLLM reads it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 DECODER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ENCODER_DECODER_MODEL_TYPES = ("m2m_100",)
 SUPPORTED_MODEL_TYPES = DECODER_MODEL_TYPES + ENCODER_DECODER_MODEL_TYPES
+WEIGHT_QUANTIZATIONS = ("fp8", "int8")
+QUANT_METHOD = "spark_jax"  # quantization_config["quant_method"] of our own checkpoints
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,76 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization of the linear layers: narrow weights, float scales.
+
+    ``weights``: "fp8" (E4M3, |w| <= 448 after scaling) or "int8" (symmetric, |q| <= 127).
+    ``group_size``: input channels sharing one scale per output channel; None is one scale per
+    output channel (over all its inputs). ``lm_head``: quantize an untied LM head too.
+    Activations, norms, embeddings and the K/V cache keep the model dtype.
+    """
+
+    weights: str
+    group_size: int | None = None
+    lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(
+                f"weight quantization {self.weights!r} is not supported; use one of "
+                f"{', '.join(WEIGHT_QUANTIZATIONS)}."
+            )
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size}.")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``quantization_config`` entry of a converted checkpoint's config.json."""
+        return {
+            "quant_method": QUANT_METHOD,
+            "weights": self.weights,
+            "group_size": self.group_size,
+            "lm_head": self.lm_head,
+        }
+
+
+def quantization_from_hf(hf: dict[str, Any]) -> QuantizationConfig | None:
+    """The scheme in a config dict's ``quantization_config`` (None when it has none).
+
+    Ours, or compressed-tensors with 8-bit float weights per channel or per tensor (its
+    ``weight_scale`` tensors are read as per-channel scales); anything else is refused.
+    Compressed-tensors' activation quantization (W8A8) is not applied: activations stay in
+    the model dtype, so the weights' numerics are the checkpoint's.
+    """
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == QUANT_METHOD:
+        return QuantizationConfig(q["weights"], q.get("group_size"), bool(q.get("lm_head")))
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        fp8 = all(
+            w.get("num_bits") == 8
+            and w.get("type") == "float"
+            and w.get("strategy") in ("channel", "tensor")
+            and w.get("symmetric", True)
+            for w in weights
+        )
+        if not weights or not fp8 or q.get("format") not in (None, "float-quantized"):
+            raise ValueError(
+                "this compressed-tensors checkpoint is not fp8 weights per channel or per "
+                "tensor (float-quantized); only that compressed-tensors scheme is supported."
+            )
+        ignored = q.get("ignore") or []
+        return QuantizationConfig("fp8", None, lm_head="lm_head" not in ignored)
+    raise ValueError(
+        f"quantization_config quant_method {method!r} is not supported; supported are "
+        f"{QUANT_METHOD!r} and 'compressed-tensors' (fp8)."
+    )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer (llama, mistral, qwen2, qwen3 and their relatives)."""
 
@@ -78,6 +153,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: QuantizationConfig | None = None  # weight-only; None: the model dtype
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -210,6 +286,7 @@ def _decoder_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_int_tuple(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+        quantization=quantization_from_hf(hf),
     )
 
 

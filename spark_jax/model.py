@@ -66,6 +66,9 @@ class Model:
     # The kernels its steps run (static in every jitted step: a model with other options
     # compiles its own programs beside this one's).
     options: KernelOptions = field(default_factory=KernelOptions)
+    # The K/V cache of every generation path: "auto" (the model dtype) or "fp8" (E4M3 with
+    # per-kv-head scales, dequantized in attention; decoder-only models). vLLM's name.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.slot_pool = SlotPool(self.max_num_seqs)
@@ -74,6 +77,16 @@ class Model:
             runner = family(self.config).Runner
             self.runner = runner(self.config, self.params, self.tokenizer, options=self.options)
         self.runner.eos_token_ids = self.eos_token_ids
+        from spark_jax.ops.kv_cache import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto":
+            if self.config.is_encoder_decoder:
+                raise ValueError(
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} is for decoder-only models; "
+                    "leave it 'auto' for an encoder-decoder."
+                )
+            self.runner.kv_cache_dtype = self.kv_cache_dtype
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -88,6 +101,10 @@ class Model:
 
     @property
     def dtype(self) -> jnp.dtype:
+        """The activations' dtype (the runner's; a quantized kernel's narrow type is not it)."""
+        runner_dtype = getattr(self.runner, "dtype", None)
+        if runner_dtype is not None:
+            return runner_dtype
         return jax.tree_util.tree_leaves(self.params)[0].dtype
 
     def logits(
@@ -281,7 +298,12 @@ class Model:
         self.adapter_slot(name)  # unknown names (or no pool) are refused clearly
         params = self.lora_pool.merged_params(self.params, name)
         return Model(
-            self.config, params, self.tokenizer, self.generation_config, options=self.options
+            self.config,
+            params,
+            self.tokenizer,
+            self.generation_config,
+            options=self.options,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
 
@@ -289,9 +311,11 @@ def load(
     path: str | Path,
     dtype: str | jnp.dtype | None = None,
     options: KernelOptions | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Model:
     """Loads a directory written by ``python -m conversion.hf_to_orbax``; its steps run the
-    kernels ``options`` choose (default ``KernelOptions()``: the dispatch picks)."""
+    kernels ``options`` choose (default ``KernelOptions()``: the dispatch picks), over a K/V
+    cache of ``kv_cache_dtype`` ("auto" or "fp8")."""
     from spark_jax.checkpoint import PARAMS_DIR, restore_params
     from spark_jax.tokenizer import Tokenizer
 
@@ -305,11 +329,35 @@ def load(
     hf_config = json.loads(config_file.read_text())
     config = config_from_hf(hf_config)
     params = restore_params(path / PARAMS_DIR, dtype=dtype)
+    _check_quantized(path, config, params)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
     options = KernelOptions() if options is None else options
-    return Model(config, params, tokenizer, generation_config, options=options)
+    return Model(
+        config, params, tokenizer, generation_config, options=options, kv_cache_dtype=kv_cache_dtype
+    )
+
+
+def _check_quantized(path: Path, config: Any, params: Any) -> None:
+    """A quantized config's narrow kernels each need their scales in the checkpoint."""
+    if getattr(config, "quantization", None) is None:
+        return
+    from spark_jax.models.params import SCALE
+
+    missing = []
+    for p in family(config).declare(config).quantized:
+        node = params
+        for key in p.path[:-1]:
+            node = node.get(key, {})
+        if SCALE not in node:
+            missing.append("/".join(p.scale_path))
+    if missing:
+        raise ValueError(
+            f"{path}: config.json says the weights are {config.quantization.weights} but "
+            f"{len(missing)} kernel scales are missing from its params (first: {missing[0]}); "
+            "convert the model again."
+        )
 
 
 def _padded(ids: Sequence[int], pad: int) -> np.ndarray:

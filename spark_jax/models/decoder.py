@@ -43,7 +43,7 @@ def declare_layer(config: ModelConfig, i: int) -> list[Param]:
     """The parameters of decoder layer ``i`` (``DecoderLayer``)."""
     c, p, layer = config, f"model.layers.{i}.", f"layers_{i}"
     d, f, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
-    attn = p + "self_attn."
+    attn, quant = p + "self_attn.", c.quantization
     params = [
         *norm((layer, "input_norm"), p + "input_layernorm", d),
         *norm((layer, "post_attn_norm"), p + "post_attention_layernorm", d),
@@ -53,12 +53,17 @@ def declare_layer(config: ModelConfig, i: int) -> list[Param]:
             d,
             [q, kv, kv],
             bias=c.qkv_bias,
+            quantization=quant,
         ),
-        *linear((layer, "attn", "o_proj"), [attn + "o_proj"], q, [d]),
+        *linear((layer, "attn", "o_proj"), [attn + "o_proj"], q, [d], quantization=quant),
         *linear(
-            (layer, "mlp", "gate_up_proj"), [p + "mlp.gate_proj", p + "mlp.up_proj"], d, [f, f]
+            (layer, "mlp", "gate_up_proj"),
+            [p + "mlp.gate_proj", p + "mlp.up_proj"],
+            d,
+            [f, f],
+            quantization=quant,
         ),
-        *linear((layer, "mlp", "down_proj"), [p + "mlp.down_proj"], f, [d]),
+        *linear((layer, "mlp", "down_proj"), [p + "mlp.down_proj"], f, [d], quantization=quant),
     ]
     if c.qk_norm:
         params += norm((layer, "attn", "q_norm"), attn + "q_norm", c.head_dim)
@@ -71,7 +76,8 @@ def declare(config: ModelConfig) -> Declaration:
     checkpoint's ``lm_head.weight`` is then an optional copy."""
     c, d = config, config.hidden_size
     tied = c.tie_word_embeddings
-    head = [] if tied else linear(("lm_head",), ["lm_head"], d, [c.vocab_size], lora=False)
+    quant = c.quantization if c.quantization and c.quantization.lm_head else None
+    head = [] if tied else linear(("lm_head",), ["lm_head"], d, [c.vocab_size], False, False, quant)
     return Declaration.of(
         embedding(
             ("embed_tokens",),
@@ -222,13 +228,18 @@ class DecoderLM(nn.Module):
 # Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
 
 
-def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+def init_cache(
+    config: ModelConfig, num_slots: int, max_len: int, dtype: jnp.dtype, kv_cache_dtype="auto"
+) -> KVCache:
+    """An empty cache; ``kv_cache_dtype="fp8"`` holds K/V as E4M3 (``spark_jax.ops.kv_cache``)."""
+    c = config
     return KVCache.create(
-        config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim, dtype
+        c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype
     )
 
 
 def _params_dtype(params: dict[str, Any]) -> jnp.dtype:
+    """The activations' dtype: the embedding table's (never quantized)."""
     return params["embed_tokens"]["embedding"].dtype
 
 
@@ -412,7 +423,8 @@ def init_params(
     def init(k: jax.Array) -> Any:
         return model.init(k, tokens, positions, mask, kv, method=DecoderLM.init_all)["params"]
 
-    return random_params(init, key, dtype)
+    # A quantized config's kernels are drawn in ``dtype``, then made narrow (with scales).
+    return declare(config).quantize(random_params(init, key, dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +455,9 @@ class Runner:
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
+        self.kv_cache_dtype = "auto"  # the Model sets "fp8" for an E4M3 K/V cache
+        # Adapters' A columns join the kernels (one GEMM) unless the kernels are narrow.
+        self._fuse_lora = config.quantization is None
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
@@ -451,7 +466,7 @@ class Runner:
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
-        return init_cache(self.config, num_slots, max_len, self.dtype)
+        return init_cache(self.config, num_slots, max_len, self.dtype, self.kv_cache_dtype)
 
     def prefill(
         self,
@@ -552,8 +567,13 @@ class Runner:
         warmed up with LoRA enabled never recompiles for adapters. The kernels are never
         narrowed again: with no adapter loaded their A columns are zero, and a base-only step
         (lora None) pays one slightly wider GEMM per adapted layer.
+
+        A quantized model's kernels are narrow: its adapters stay in the pool in the model dtype
+        (``x a`` a GEMM of its own) and the params are returned as they are.
         """
-        return params if self.lora_pool is None else self.lora_pool.fused_params(params)
+        if self.lora_pool is None or not self._fuse_lora:
+            return params
+        return self.lora_pool.fused_params(params)
 
     def _lora(self, adapters: Sequence[int] | None) -> Any:
         """The step's adapter input: None when no row asks for an adapter, else a fused batch
@@ -564,7 +584,7 @@ class Runner:
         slots = np.asarray([] if adapters is None else adapters, np.int32)
         if not (slots >= 0).any():
             return None
-        return pool.batch(slots, fused=True)
+        return pool.batch(slots, fused=self._fuse_lora)
 
     def logits(self, ids: Sequence[int], adapter: int | None = None) -> np.ndarray:
         """float32 [T, V]: the logits of every position of one sequence."""

@@ -13,6 +13,13 @@ shapes) and whether HF stores it transposed. From that one list come
 - ``Declaration.shapes()``: the params tree's shapes (tests check the Flax modules build the
   same, so the Flax param calls cannot drift from the declaration).
 
+A kernel declared with a ``quantization`` scheme (spark_jax.config.QuantizationConfig) is held
+narrow (fp8 / int8, spark_jax.ops.quant) with a ``kernel_scale`` leaf beside it: ``from_hf``
+quantizes a float checkpoint's tensors, or reads a compressed-tensors checkpoint's narrow
+``weight`` and its ``weight_scale`` (``weight_spec(prequantized=True)`` then requires them);
+``quantize`` does the same to a float params tree (random init); ``cast`` changes the float
+leaves' dtype and leaves narrow kernels and scales alone.
+
 ``linear``, ``norm`` and ``embedding`` build the ``Param``s of one layer of each kind.
 """
 
@@ -22,9 +29,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 
+from spark_jax.config import QuantizationConfig
 from spark_jax.ops.lora import LoraTarget
+from spark_jax.ops.quant import quantize
+
+SCALE = "kernel_scale"  # the leaf beside a quantized kernel
+HF_SCALE_SUFFIX = "_scale"  # compressed-tensors: ``<module>.weight`` + ``<module>.weight_scale``
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class Param:
     the leaf [out, in], we store [in, out]. ``lora``: a kernel whose parts PEFT can adapt (the
     PEFT module of a part is its HF name less ``.weight``). ``aliases``: HF names that may
     hold a tied copy of this tensor (read never; a checkpoint may store them or not).
+    ``quantization``: a [in, out] kernel held narrow, with its scales at ``scale_path``.
     """
 
     path: tuple[str, ...]
@@ -69,12 +83,15 @@ class Param:
     transpose: bool = False
     lora: bool = False
     aliases: tuple[str, ...] = ()
+    quantization: QuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.hf or len(self.hf) != len(self.shapes):
             raise ValueError(f"{self.path}: give one HF shape per HF tensor (and at least one).")
         if len({s[1:] for s in self.shapes}) != 1:
             raise ValueError(f"{self.path}: fused parts must agree on all but their first axis.")
+        if self.quantization is not None and not (self.transpose and len(self.hf_shape) == 2):
+            raise ValueError(f"{self.path}: only [in, out] kernels of linear layers quantize.")
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -86,11 +103,45 @@ class Param:
         """The leaf's shape in the params tree."""
         return self.hf_shape[::-1] if self.transpose else self.hf_shape
 
+    @property
+    def scale_path(self) -> tuple[str, ...]:
+        return self.path[:-1] + (SCALE,)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """A quantized kernel's scales: [out], or [in / group_size, out]."""
+        in_dim, out_dim = self.shape
+        group = self.quantization.group_size if self.quantization else None
+        return (out_dim,) if group is None else (in_dim // group, out_dim)
+
+    def hf_scale_names(self) -> tuple[str, ...]:
+        """The compressed-tensors scale of each part (``weight_scale [out, 1]``)."""
+        return tuple(name + HF_SCALE_SUFFIX for name in self.hf)
+
     def from_hf(self, tensors: Mapping[str, Any]) -> np.ndarray:
-        """This leaf from HF tensors (a view when it is a single part)."""
+        """This leaf from HF tensors (a view when it is a single part), as stored there."""
         parts = [np.asarray(tensors[name]) for name in self.hf]
         value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
         return value.T if self.transpose else value
+
+    def leaves(self, tensors: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
+        """This param's leaves from HF tensors: the leaf, and a quantized kernel's scales,
+        read from the checkpoint where it holds them (compressed-tensors), else computed."""
+        value = self.from_hf(tensors)
+        if self.quantization is None:
+            return {self.path: value}
+        names = self.hf_scale_names()
+        if all(name in tensors for name in names):
+            scale = np.concatenate(
+                [np.asarray(tensors[name], np.float32).reshape(-1) for name in names]
+            )
+            return {self.path: value, self.scale_path: scale}
+        return self.quantized(value)
+
+    def quantized(self, kernel: Any) -> dict[tuple[str, ...], Any]:
+        """The narrow kernel and its scales of a float ``kernel`` [in, out]."""
+        q, scale = quantize(kernel, self.quantization.weights, self.quantization.group_size)
+        return {self.path: q, self.scale_path: scale}
 
 
 def linear(
@@ -100,10 +151,12 @@ def linear(
     out_dims: Sequence[int],
     bias: bool = False,
     lora: bool = True,
+    quantization: QuantizationConfig | None = None,
 ) -> list[Param]:
     """A ``Linear`` (kernel [in, out], optional bias) fusing the HF linear ``modules``.
 
     ``out_dims``: each module's output width, in the order their columns are concatenated.
+    ``quantization``: hold the kernel narrow, with its scales (the bias stays float).
     """
     if len(modules) != len(out_dims):
         raise ValueError(f"{path}: give one output width per HF module.")
@@ -114,6 +167,7 @@ def linear(
             tuple((o, in_dim) for o in out_dims),
             transpose=True,
             lora=lora,
+            quantization=quantization,
         )
     ]
     if bias:
@@ -158,17 +212,55 @@ class Declaration:
     def of(cls, *groups: Iterable[Param]) -> Declaration:
         return cls(tuple(p for group in groups for p in group))
 
-    def weight_spec(self) -> WeightSpec:
-        """The HF tensors a checkpoint holds: every part required, every alias optional."""
+    @property
+    def quantized(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if p.quantization is not None)
+
+    def weight_spec(self, prequantized: bool = False) -> WeightSpec:
+        """The HF tensors a checkpoint holds: every part required, every alias optional.
+
+        ``prequantized``: a compressed-tensors checkpoint, whose quantized parts each have a
+        ``weight_scale [out, 1]`` beside the (narrow) weight.
+        """
         required = {n: s for p in self.params for n, s in zip(p.hf, p.shapes, strict=True)}
+        if prequantized:
+            for p in self.quantized:
+                for name, shape in zip(p.hf_scale_names(), p.shapes, strict=True):
+                    required[name] = (shape[0], 1)
         optional = {a: p.hf_shape for p in self.params for a in p.aliases}
         return WeightSpec(required=required, optional=optional)
 
     def from_hf(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        """HF tensors (torch layout) → the params tree (numpy arrays, kernels [in, out])."""
+        """HF tensors (torch layout) → the params tree (kernels [in, out]); quantized kernels
+        as ``Param.leaves`` reads them."""
         tree: dict[str, Any] = {}
         for p in self.params:
-            _set(tree, p.path, p.from_hf(tensors))
+            for path, value in p.leaves(tensors).items():
+                _set(tree, path, value)
+        return tree
+
+    def quantize(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """A float params tree with every quantized kernel made narrow (its scales beside it);
+        the other leaves are shared. A tree already quantized is returned as it is."""
+        tree = jax.tree.map(lambda leaf: leaf, dict(params))
+        for p in self.quantized:
+            node = _get(tree, p.path[:-1])
+            if SCALE in node:
+                continue
+            node.update({path[-1]: v for path, v in p.quantized(node[p.path[-1]]).items()})
+        return tree
+
+    def cast(self, params: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+        """The tree with its float leaves in ``dtype``; quantized kernels and scales kept."""
+        kept = {p.path for p in self.quantized} | {p.scale_path for p in self.quantized}
+        tree: dict[str, Any] = jax.tree.map(lambda leaf: leaf, dict(params))
+        for p in self.params:
+            if p.path not in kept:
+                node = _get(tree, p.path[:-1])
+                node[p.path[-1]] = np.asarray(node[p.path[-1]]).astype(dtype)
+        for path in kept:
+            node = _get(tree, path[:-1])
+            node[path[-1]] = np.ascontiguousarray(node[path[-1]])
         return tree
 
     def shapes(self) -> dict[str, Any]:
@@ -176,6 +268,8 @@ class Declaration:
         tree: dict[str, Any] = {}
         for p in self.params:
             _set(tree, p.path, p.shape)
+            if p.quantization is not None:
+                _set(tree, p.scale_path, p.scale_shape)
         return tree
 
     def lora_targets(self) -> dict[str, LoraTarget]:
@@ -192,6 +286,12 @@ class Declaration:
                 )
                 start += out_dim
         return targets
+
+
+def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

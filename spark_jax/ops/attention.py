@@ -10,6 +10,11 @@ the GPU (``one_query_picked``); our flash kernel a prefill on Hopper
 writes the step's keys first (in the one-query kernel itself where it runs) and can read rows
 through a row table (beam search).
 
+An fp8 cache (``kv_cache.is_narrow``) is read out dequantized by every path: no kernel of ours
+or cuDNN's reads E4M3 keys, so the dispatch falls back to XLA, where the dequantization is a
+producer fused into the attention's reads. A decode step on the GPU takes XLA's split-K form
+there (it reads K and V once in place; the reference's batched dots copy them transposed).
+
 The options are plain arguments of every entry point, static under jit: a model passes its own
 to each step, so two models with different options trace and compile their own programs.
 
@@ -27,9 +32,9 @@ from spark_jax.ops.cudnn import (
     cudnn_paged_applies,
     cudnn_paged_decode_attention,
 )
-from spark_jax.ops.kv_cache import PagedLayer, read_rows, read_through, write_kv
+from spark_jax.ops.kv_cache import PagedLayer, is_narrow, read_rows, read_through, write_kv
 from spark_jax.ops.options import KernelOptions
-from spark_jax.ops.reference import AttentionMask, reference_attention
+from spark_jax.ops.reference import AttentionMask, reference_attention, split_kv_attention
 
 
 def cache_step_attention(
@@ -54,7 +59,7 @@ def cache_step_attention(
     ``one_query_picked``) the write and the attention are one kernel; each row then sees its
     own new key even where the mask hides it (an inactive row, whose output no caller reads).
     """
-    dense = not isinstance(k_cache, PagedLayer)
+    dense = not isinstance(k_cache, PagedLayer) and not is_narrow(k_cache)
     if dense and slots is None and one_query_picked(q, k_cache, sliding_window, options):
         return _one_query(q, k_cache, v_cache, positions[:, 0], k, v, row_table)
     k_cache = write_kv(k_cache, k, slots, positions)
@@ -82,7 +87,7 @@ def packed_cache_step_attention(
     elsewhere they are split. (On the H200 this did not cut a kernel: the split-K reduction
     that wrote the three slices now writes qkv with its bias.)"""
     q, k, v = jnp.split(qkv, 3, axis=2)
-    dense = not isinstance(k_cache, PagedLayer)
+    dense = not isinstance(k_cache, PagedLayer) and not is_narrow(k_cache)
     if dense and slots is None and one_query_picked(q, k_cache, sliding_window, options):
         return _one_query(qkv, k_cache, v_cache, positions[:, 0], None, None, row_table, None, True)
     return cache_step_attention(
@@ -106,6 +111,9 @@ def cache_attention(
     view of a dense cache, a gather of a paged one) and goes through ``attention``.
     """
     implementation = options.implementation
+    if is_narrow(k_cache):
+        keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
+        return narrow_cache_attention(q, keys, values, mask, sliding_window, options)
     paged = isinstance(k_cache, PagedLayer)
     if paged and implementation == "pallas" and pallas_paged_applies(q, k_cache, sliding_window):
         return pallas_paged_attention(q, k_cache, v_cache, slots, mask, options=options)
@@ -117,6 +125,34 @@ def cache_attention(
         return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
     keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
     return attention(q, keys, values, mask, sliding_window, options=options)
+
+
+_SPLIT_CHUNK = 256  # keys per chunk of XLA's split-K form
+
+
+def narrow_cache_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask,
+    sliding_window: int | None = None,
+    options: KernelOptions = KernelOptions(),
+) -> jax.Array:
+    """Attention over rows read out of an fp8 cache (k/v dequantized lazily, [B,S,K,H]).
+
+    A one-token step on the GPU runs XLA's split-K form where the keys split into its chunks,
+    so XLA fuses the dequantization into one read of the E4M3 rows; everything else (and
+    ``implementation="xla"``) runs the reference.
+    """
+    split = (
+        options.implementation != "xla"
+        and jax.default_backend() == "gpu"
+        and q.shape[1] == 1
+        and k.shape[1] % _SPLIT_CHUNK == 0
+    )
+    if split:
+        return split_kv_attention(q, k, v, mask, sliding_window, chunk=_SPLIT_CHUNK)
+    return reference_attention(q, k, v, mask, sliding_window)
 
 
 # ---------------------------------------------------------------------------------------------

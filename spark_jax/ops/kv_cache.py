@@ -4,6 +4,12 @@ A cache has a fixed number of rows (slots) and a static maximum length. Each row
 independent sequence at its own position: ``lengths[row]`` keys are valid. Rolling back a
 rejected speculative draft is lowering a length; the stale keys beyond it are never read.
 One buffer per layer (a tuple), measured faster than one stacked array (DESIGN.md).
+
+``kv_cache_dtype="fp8"`` (vLLM's name) stores K and V as E4M3 with a scale per kv head and
+layer (``ScaledLayer``, or a ``PagedLayer`` with ``scale``): ``write_kv`` divides by the scale
+and rounds, ``read_rows`` multiplies back into the model dtype (a producer XLA fuses into the
+attention that reads it). The scales default to 1, as vLLM's do for a checkpoint without
+calibrated ones: E4M3 keeps ~2 significant decimal digits from 2^-6 to 448.
 """
 
 from __future__ import annotations
@@ -14,6 +20,51 @@ from typing import Self
 
 import jax
 import jax.numpy as jnp
+
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model dtype
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # E4M3 "fn" has no infinity: past this a conversion gives NaN, so clip
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
+            f"{', '.join(map(repr, KV_CACHE_DTYPES))}."
+        )
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., K, H] / scale [K], rounded to E4M3 (saturating at +-448)."""
+    scaled = x.astype(jnp.float32) / scale.astype(jnp.float32)[:, None]
+    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def dequantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """E4M3 x [..., K, H] * scale [K], in the scale's dtype (the model's)."""
+    return x.astype(scale.dtype) * scale[:, None]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ScaledLayer:
+    """One layer's dense K or V buffer held as E4M3: the value is ``data * scale``."""
+
+    data: jax.Array  # [slots, S, K, H] float8_e4m3fn
+    scale: jax.Array  # [K] in the model dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype reads give (the model's)."""
+        return self.scale.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
 
 
 class _Rows:
@@ -39,8 +90,8 @@ class _Rows:
 class KVCache(_Rows):
     """Self-attention keys and values for ``num_slots`` sequences of up to ``max_len`` tokens."""
 
-    k: tuple[jax.Array, ...]  # per layer [slots, S, K, H]
-    v: tuple[jax.Array, ...]  # per layer [slots, S, K, H]
+    k: tuple[jax.Array | ScaledLayer, ...]  # per layer [slots, S, K, H]
+    v: tuple[jax.Array | ScaledLayer, ...]  # per layer [slots, S, K, H]
     lengths: jax.Array  # int32[slots]: valid keys per row
 
     @classmethod
@@ -52,11 +103,19 @@ class KVCache(_Rows):
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> KVCache:
+        check_kv_cache_dtype(kv_cache_dtype)
         shape = (num_slots, max_len, num_kv_heads, head_dim)
+
+        def layer() -> jax.Array | ScaledLayer:
+            if kv_cache_dtype == "auto":
+                return jnp.zeros(shape, dtype)
+            return ScaledLayer(jnp.zeros(shape, FP8), jnp.ones((num_kv_heads,), dtype))
+
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k=tuple(layer() for _ in range(num_layers)),
+            v=tuple(layer() for _ in range(num_layers)),
             lengths=jnp.zeros((num_slots,), jnp.int32),
         )
 
@@ -87,6 +146,9 @@ def write_kv(
     """
     if isinstance(cache_layer, PagedLayer):
         return cache_layer.write(new, slots, positions)
+    if isinstance(cache_layer, ScaledLayer):
+        data = write_kv(cache_layer.data, quantize_kv(new, cache_layer.scale), slots, positions)
+        return dataclasses.replace(cache_layer, data=data)
     if slots is None:
         rows = jnp.arange(cache_layer.shape[0])[:, None]
     else:
@@ -105,7 +167,16 @@ def read_rows(cache_layer: jax.Array, slots: jax.Array | None) -> jax.Array:
     """The rows of the given slots, ``[B, S, K, H]``; no copy when every row is used in order."""
     if isinstance(cache_layer, PagedLayer):
         return cache_layer.read(slots)
+    if isinstance(cache_layer, ScaledLayer):
+        return dequantize_kv(read_rows(cache_layer.data, slots), cache_layer.scale)
     return cache_layer if slots is None else cache_layer[slots]
+
+
+def is_narrow(cache_layer: jax.Array | ScaledLayer | PagedLayer) -> bool:
+    """True for a layer held as E4M3 with scales (reads dequantize it)."""
+    if isinstance(cache_layer, PagedLayer):
+        return cache_layer.scale is not None
+    return isinstance(cache_layer, ScaledLayer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +197,7 @@ class PagedLayer:
 
     pages: jax.Array  # [P, page_size, K, H]
     block_table: jax.Array  # int32[slots, max_pages]
+    scale: jax.Array | None = None  # [K] in the model dtype when the pages are E4M3
 
     @property
     def page_size(self) -> int:
@@ -145,9 +217,8 @@ class PagedLayer:
         index = positions // self.page_size
         page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
         page = jnp.where(index < table.shape[1], page, self.pages.shape[0])
-        pages = self.pages.at[page, positions % self.page_size].set(
-            new.astype(self.pages.dtype), mode="drop"
-        )
+        new = new.astype(self.pages.dtype) if self.scale is None else quantize_kv(new, self.scale)
+        pages = self.pages.at[page, positions % self.page_size].set(new, mode="drop")
         return dataclasses.replace(self, pages=pages)
 
     def read(self, slots: jax.Array | None) -> jax.Array:
@@ -156,7 +227,8 @@ class PagedLayer:
         table = self.table_rows(slots)
         b, n = table.shape
         rows = jnp.take(self.pages, table.reshape(-1), axis=0, mode="clip")
-        return rows.reshape(b, n * self.page_size, *self.pages.shape[2:])
+        rows = rows.reshape(b, n * self.page_size, *self.pages.shape[2:])
+        return rows if self.scale is None else dequantize_kv(rows, self.scale)
 
 
 @jax.tree_util.register_dataclass
@@ -174,6 +246,8 @@ class PagedKVCache(_Rows):
     v_pages: tuple[jax.Array, ...]  # per layer [P, page_size, K, H]
     block_table: jax.Array  # int32[slots, max_pages]; num_pages where no page is owned
     lengths: jax.Array  # int32[slots]: valid keys per row
+    k_scales: tuple[jax.Array, ...] | None = None  # per layer [K] when the pages are E4M3
+    v_scales: tuple[jax.Array, ...] | None = None
 
     @classmethod
     def create(
@@ -186,22 +260,34 @@ class PagedKVCache(_Rows):
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> PagedKVCache:
+        check_kv_cache_dtype(kv_cache_dtype)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        narrow = kv_cache_dtype == "fp8"
+        # Distinct arrays for K and V: the cache is donated, and no buffer may be given twice.
+        scales = lambda: tuple(jnp.ones((num_kv_heads,), dtype) for _ in range(num_layers))
         return cls(
-            k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            k_pages=tuple(jnp.zeros(shape, FP8 if narrow else dtype) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, FP8 if narrow else dtype) for _ in range(num_layers)),
             block_table=jnp.full((num_slots, max_pages_per_seq), num_pages, jnp.int32),
             lengths=jnp.zeros((num_slots,), jnp.int32),
+            k_scales=scales() if narrow else None,
+            v_scales=scales() if narrow else None,
         )
 
     @property
     def k(self) -> tuple[PagedLayer, ...]:
-        return tuple(PagedLayer(p, self.block_table) for p in self.k_pages)
+        scales = self.k_scales or (None,) * len(self.k_pages)
+        return tuple(self._view(p, s) for p, s in zip(self.k_pages, scales, strict=True))
 
     @property
     def v(self) -> tuple[PagedLayer, ...]:
-        return tuple(PagedLayer(p, self.block_table) for p in self.v_pages)
+        scales = self.v_scales or (None,) * len(self.v_pages)
+        return tuple(self._view(p, s) for p, s in zip(self.v_pages, scales, strict=True))
+
+    def _view(self, pages: jax.Array, scale: jax.Array | None) -> PagedLayer:
+        return PagedLayer(pages, self.block_table, scale)
 
     @property
     def num_pages(self) -> int:

@@ -15,12 +15,18 @@ import numpy as np
 
 from spark_jax.ops.lora import LoraBatch, scope
 from spark_jax.ops.options import KernelOptions
+from spark_jax.ops.quant import quantized_matmul
 
 Dtype = jnp.dtype
 
 
 class Linear(nn.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] so the converter transposes HF's [out, in]."""
+    """y = x @ kernel (+ bias); kernel [in, out] so the converter transposes HF's [out, in].
+
+    A quantized kernel (fp8 / int8, spark_jax.ops.quant) comes with a ``kernel_scale`` param
+    beside it and is read through ``quantized_matmul``; its adapters stay in the pool (never
+    fused into the narrow kernel).
+    """
 
     features: int
     use_bias: bool = False
@@ -42,7 +48,10 @@ class Linear(nn.Module):
         # The GEMM accumulates in fp32 and rounds once to the output dtype. Asking it for fp32
         # and converting after costs a kernel per projection: measured on the H200 (Llama-3-8B
         # shapes, bs=1) 4.87 -> 4.45 ms per decode step.
-        y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
+        if self.has_variable("params", "kernel_scale"):
+            y = quantized_matmul(x, kernel, self.get_variable("params", "kernel_scale"), out_dtype)
+        else:
+            y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
         h = None  # x a, from a fused kernel's A columns
         if kernel.shape[-1] > self.features:
             y, h = y[..., : self.features], y[..., self.features :]

@@ -457,6 +457,12 @@ class LoraPool:
         way (the A columns of a fused kernel are dropped), fit to save or to serve alone.
         """
         slot = self.index(name)
+        for path in self._layers:
+            if jnp.dtype(_get(params, path)["kernel"].dtype).itemsize == 1:
+                raise ValueError(
+                    f"adapter {name!r} cannot be merged into a quantized model's narrow kernels; "
+                    "serve it per request (SamplingParams.adapter) or merge into the float model."
+                )
         merged = jax.tree_util.tree_map(lambda x: x, params)
         rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for path, layer in self._layers.items():

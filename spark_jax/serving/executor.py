@@ -294,7 +294,7 @@ class PagedExecutor:
         self.state = commit(
             PagedKVCache.create(
                 c.num_layers, num_slots, num_pages, page_size, max_pages_per_seq,
-                c.num_kv_heads, c.head_dim, model.dtype,
+                c.num_kv_heads, c.head_dim, model.dtype, self.runner.kv_cache_dtype,
             )
         )  # fmt: skip
         self.width_ladder = width_ladder
