@@ -41,7 +41,7 @@ from spark_jax.ops.sampling import SamplingParams
 
 # Folded into a row's key for the drafter's own draws: they must be independent of the
 # target's acceptance draws, or the rejection rule no longer yields the target's distribution.
-_DRAFT_STREAM = 0x6472_6166
+DRAFT_STREAM = 0x6472_6166
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import numpy as np
 
 from spark_jax.config import ModelConfig
 from spark_jax.generation.drafters import (
-    _DRAFT_STREAM,
+    DRAFT_STREAM,
     DRAFTER_NAMES,
     DeviceDrafter,
     Draft,
@@ -590,7 +590,7 @@ class _Speculation:
         if not self.greedy:
             prompt_mask[0, prompt] = True
         sampler = SamplerBatch.from_params([self.params], vocab, self.model.eos_token_ids)
-        draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(sampler.keys, _DRAFT_STREAM)
+        draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(sampler.keys, DRAFT_STREAM)
         self.rows = SpecRows(
             sampler,
             jnp.asarray(prompt_mask),
