@@ -11,9 +11,12 @@ a draft is then accepted with probability a = 1 - corrupt, independently, so a v
 yields E[tokens] = (1 - a^(K+1)) / (1 - a) tokens (1.94 at K=4, a=0.5). Its expected speedup
 is E[tokens] x (decode step time / oracle step time), the step times measured in this run.
 
+Both drafters run on the device (``ReplayDrafter``), so the speculative loop is the library's
+chunk of several steps per host sync, as with a draft model or a draft head.
+
 Figures are decode-phase rates (tokens after the first / time after the first), the median of
 ``--repeats`` warm runs. ``verify_ms`` and ``decode_ms`` are the bare jitted steps chained
-on the device (no host work), so ``oracle_step_ms - verify_ms`` is the host loop's share.
+on the device (no host work), so ``oracle_step_ms - verify_ms`` is what the loop adds.
 If bf16 rounding makes a verify step's argmax differ from the decode step's (the rows of a
 K+1-token matmul round differently), the oracle replays the speculative output instead; the
 number of tokens where the two greedy outputs differ is reported (``greedy_mismatches``).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -30,31 +34,43 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import Report, chain_seconds, llama, random_params
-from spark_jax import Draft, GenerationResult, Model, SamplingParams, generate, generate_speculative
+from spark_jax import GenerationResult, Model, SamplingParams, generate, generate_speculative
+
+
+@dataclass(frozen=True)
+class ReplayDrafts:
+    """A device drafter's program (spark_jax.generation.drafters.DeviceProgram) proposing
+    the reference (its params) from each row's output position, each token corrupted with
+    probability ``corrupt`` (drawn from the row's draft key: every repeat drafts the same)."""
+
+    vocab: int
+    corrupt: float
+    needs_hidden = False
+
+    def propose(self, target_params, params, state, carry, keys, temperature, k, sampled):
+        at = carry.num_generated[:, None] + jnp.arange(k)[None, :]
+        tokens = params[jnp.minimum(at, params.shape[0] - 1)]
+        step_keys = jax.vmap(jax.random.fold_in)(keys, carry.num_generated)
+        wrong = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(step_keys) < self.corrupt
+        return jnp.where(wrong, (tokens + 1) % self.vocab, tokens), None, state
+
+    def accept(self, state, outcome):
+        return state
 
 
 class ReplayDrafter:
-    """Proposes ``reference`` (the target's own continuation), each token corrupted with
-    probability ``corrupt`` (seeded, so every repeat proposes the same drafts)."""
+    """Drafts ``reference`` (the target's own continuation) on the device: the speculative
+    loop runs several steps per host sync, as with a draft model, at no drafting cost."""
 
-    def __init__(self, reference: Sequence[int], vocab: int, corrupt: float = 0.0, seed: int = 0):
-        self.reference = list(reference)
-        self.vocab = vocab
-        self.corrupt = corrupt
-        self.seed = seed
+    def __init__(self, reference: Sequence[int], vocab: int, corrupt: float = 0.0):
+        self.reference = jnp.asarray(list(reference), jnp.int32)
+        self.program = ReplayDrafts(vocab, corrupt)
 
-    def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
-        self.prompt_len = len(prompt)
-        self.rng = np.random.RandomState(self.seed)
+    def params(self, target: Model) -> Any:
+        return self.reference
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        done = len(context) - self.prompt_len
-        tokens = self.reference[done : done + k]
-        wrong = self.rng.rand(len(tokens)) < self.corrupt
-        return Draft([(t + 1) % self.vocab if w else t for t, w in zip(tokens, wrong, strict=True)])
-
-    def finish(self) -> None:
-        pass
+    def start(self, target: Model, prompts: Any, max_len: int, k: int, prefill: Any) -> None:
+        return None
 
 
 def decode_rate(result: GenerationResult) -> float:

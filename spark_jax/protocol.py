@@ -71,6 +71,8 @@ class DecoderRunner(Runner, Protocol):
     """A decoder-only family: adds the verify step of speculative decoding."""
 
     verify_fn: Callable[..., tuple[jax.Array, Any]]
+    # verify_fn that also returns the final hidden states: ((logits, hidden[B, T, D]), cache)
+    verify_hidden_fn: Callable[..., tuple[tuple[jax.Array, jax.Array], Any]]
 
     def verify(
         self,

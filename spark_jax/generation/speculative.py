@@ -1,295 +1,91 @@
 """Speculative decoding: a cheap drafter proposes K tokens, the target checks them in one step.
 
-The target scores its last token plus the K drafts with one jitted ``verify`` call (padded to
-K + 1 positions, so one compile per K). Greedy requests keep the longest draft prefix equal to
-the target's argmax plus one token from the target (the correction, or a bonus when every draft
-is right), so the output is token-identical to ``engine.generate`` (up to argmax near-ties that
-the verify step's different rounding can break: never seen in fp32, possible in bf16).
-Sampled requests use the rejection rule of Leviathan et al. / Chen et al.: draft x is kept with
+The target scores its last token plus the K drafts with one verify step (padded to K + 1
+positions, so one compile per K). Greedy requests keep the longest draft prefix equal to the
+target's argmax plus one token from the target (the correction, or a bonus when every draft
+is right), so the output is token-identical to ``generate`` (up to argmax near-ties that the
+verify step's different rounding can break: never seen in fp32, possible in bf16). Sampled
+requests use the rejection rule of Leviathan et al. / Chen et al.: draft x is kept with
 probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
 normalize(max(0, p - q)); when all are kept a bonus token is drawn from p. p is the target's
 distribution after the same processors as ``sampling.sample`` (penalties, temperature,
 top-k/top-p/min-p), evaluated at each draft position with the token counts that position
 would have, so the output distribution is exactly that of non-speculative sampling. Rejected
-drafts leave KV behind that is rolled back by lowering the cache length.
+drafts leave KV behind that is rolled back by lowering each row's cache length.
 
-Drafters (the ``Drafter`` protocol):
-  ``PromptLookupDrafter``: continues the most recent n-gram match in the context (no model).
-  ``DraftModelDrafter``: a smaller model sharing the tokenizer, with its own one-row KV cache.
-  ``LayerSkipDrafter``: self-speculation, the target with some layers skipped (shared weights).
+The step is the generation core's (``step.run_chunk``) with the ``Speculation`` rule: draft
+(a device drafter's program, or drafts the host put in the rows), verify, accept, roll back,
+the stop rule and the record, all on the device. With a device drafter (draft model, layer
+skip, draft head; spark_jax.generation.drafters) a chunk runs several such steps per host
+sync; a host drafter (prompt lookup, or any ``Drafter``) needs the context, so it runs one.
 
-One sequence per call: rows of a batch would accept different numbers of drafts, and the
-continuous-batching scheduler is the place to interleave them.
+Every input is per row (B rows): last tokens, cache lengths, accepted counts, drafts per step
+(``SpecRows.num_drafts``: 0 makes a row a plain decode row inside a verify step), sampling
+parameters and limits. A batching engine can therefore run the rule over its rows, each at
+its own length and accepting its own number of drafts; ``generate_speculative`` runs one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.config import ModelConfig
+from spark_jax.generation.drafters import (
+    DRAFT_STREAM,
+    DRAFTER_NAMES,
+    DeviceDrafter,
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    HeadDrafter,
+    LayerSkipDrafter,
+    Outcome,
+    PromptLookupDrafter,
+    TargetPrefill,
+    is_device_drafter,
+    make_drafter,
+    skip_layers,
+)
 from spark_jax.generation.generate import cache_len, check_prompts
 from spark_jax.generation.request import GenerationResult, RequestState, token_logprobs
-from spark_jax.generation.step import Carry, decode_forward, pick, run_chunk
+from spark_jax.generation.step import Carry, LoopOptions, pick, run_chunk
 from spark_jax.model import Model
+from spark_jax.models.common import bucket
+from spark_jax.ops.lora import adapter_slot
 from spark_jax.ops.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
 
-# Folded into a seed's key for the drafter's own draws: they must be independent of the
-# target's acceptance draws, or the rejection rule no longer yields the target's distribution.
-_DRAFT_STREAM = 0x6472_6166
+__all__ = [
+    "DRAFTER_NAMES",
+    "DeviceDrafter",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "HeadDrafter",
+    "LayerSkipDrafter",
+    "PromptLookupDrafter",
+    "Speculation",
+    "SpeculativeResult",
+    "generate_speculative",
+    "greedy_accept",
+    "judge",
+    "make_drafter",
+    "rejection_sample",
+    "skip_layers",
+    "target_logits",
+]
 
 
 # ---------------------------------------------------------------------------------------------
-# Drafters.
-
-
-@dataclass
-class Draft:
-    """Proposed tokens and, for sampled drafts, the distributions they were drawn from."""
-
-    tokens: list[int]  # at most the k asked for; fewer (or none) when the drafter has no guess
-    probs: jax.Array | None = None  # f32[len(tokens), V] q; None: deterministic (q one-hot)
-
-
-class Drafter(Protocol):
-    """What ``generate_speculative`` asks of a drafter.
-
-    ``propose`` receives the whole context (prompt + accepted output) every step rather than
-    accept/reject notifications: a stateful drafter rolls its own cache back to the longest
-    prefix it shares with the context, so it cannot drift out of sync with the target.
-    """
-
-    def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
-        """Begins a request whose context will never exceed ``max_context`` tokens."""
-
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        """Up to ``k`` tokens that might follow ``context``."""
-
-    def finish(self) -> None:
-        """Ends the request (frees any cache)."""
-
-
-class PromptLookupDrafter:
-    """Proposes the continuation of the most recent earlier occurrence of the context's tail.
-
-    Tries the last ``max_ngram`` tokens first, then shorter tails down to ``min_ngram``. No
-    model and no state: cheap, and strong on extractive tasks (quoting, editing, code).
-    """
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
-                f"max_ngram={max_ngram}."
-            )
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-
-    def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
-        del prompt, params, max_context
-
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        ids = np.asarray(context, np.int64)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if k < 1 or len(ids) <= n:
-                continue
-            # Windows of ids[:-1] end before the last token: each match has a continuation,
-            # and the tail never matches itself.
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return Draft(ids[start : start + k].tolist())
-        return Draft([])
-
-    def finish(self) -> None:
-        pass
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class _DraftRows:
-    temperature: jax.Array  # f32[]: the request's temperature (1 when greedy)
-    key: jax.Array  # the drafter's key stream for this request
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class _Drafts:
-    tokens: jax.Array  # int32[1, k]
-    probs: jax.Array  # f32[1, k, V]: q of each draft (zeros when greedy)
-
-
-@dataclass(frozen=True)
-class Drafting:
-    """The draft model's rule (``step.Rule``): each step's token from the draft's logits [1, V],
-    greedy or drawn at the request's temperature; the picker state counts the draws."""
-
-    sampled: bool
-
-    def forward(self, fn: Any, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
-        return decode_forward(fn, params, carry, lora)
-
-    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> _Drafts:
-        vocab = 1 if not self.sampled else carry.picker.shape[-1]
-        return _Drafts(
-            jnp.zeros((1, num_steps), jnp.int32), jnp.zeros((1, num_steps, vocab), jnp.float32)
-        )
-
-    def advance(
-        self, logits: jax.Array, carry: Carry, rows: _DraftRows, record: _Drafts, i: Any
-    ) -> tuple[Carry, _Drafts]:
-        logits = logits[0].astype(jnp.float32)
-        if self.sampled:
-            scaled = logits / rows.temperature
-            key = jax.random.fold_in(rows.key, carry.num_generated[0])
-            token = jax.random.categorical(key, scaled).astype(jnp.int32)
-            record = _Drafts(
-                record.tokens.at[0, i].set(token),
-                record.probs.at[0, i].set(jax.nn.softmax(scaled)),
-            )
-        else:
-            token = jnp.argmax(logits).astype(jnp.int32)
-            record = dataclasses.replace(record, tokens=record.tokens.at[0, i].set(token))
-        carry = dataclasses.replace(
-            carry, tokens=token[None], num_generated=carry.num_generated + 1
-        )
-        return carry, record
-
-    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
-        return jnp.bool_(True)
-
-
-class DraftModelDrafter:
-    """A smaller model sharing the target's tokenizer drafts k tokens, one decode step each.
-
-    Greedy requests draft greedily (q is then one-hot); sampled requests draw drafts from the
-    draft model's softmax at the request's temperature (its other processors are not applied:
-    any q is exact under the rejection rule, this one is merely close to p).
-    """
-
-    def __init__(self, draft_model: Model):
-        if draft_model.config.is_encoder_decoder:
-            raise ValueError("a draft model must be decoder-only.")
-        self.model = draft_model
-        self._runner = draft_model.runner
-        self._state: Any = None
-        self._cached: list[int] = []  # the tokens whose keys the draft cache holds, in order
-        self._active = jnp.ones((1,), bool)
-        self._rule = Drafting(sampled=False)
-        self._rows = _DraftRows(jnp.float32(1.0), jax.random.PRNGKey(0))
-        self._draws = 0
-
-    def start(self, prompt: Sequence[int], params: SamplingParams, max_context: int) -> None:
-        del prompt
-        self._state = self._runner.init_state(1, cache_len(max_context + 1))
-        self._cached = []
-        self._rule = Drafting(sampled=not params.greedy)
-        temperature = jnp.float32(params.temperature if self._rule.sampled else 1.0)
-        seed = secrets.randbits(32) if params.seed is None else params.seed & 0xFFFFFFFF
-        self._rows = _DraftRows(
-            temperature, jax.random.fold_in(jax.random.PRNGKey(seed), _DRAFT_STREAM)
-        )
-        self._draws = 0
-
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        if k < 1:
-            return Draft([])
-        logits = self._catch_up(context)
-        vocab = logits.shape[-1] if self._rule.sampled else 1
-        carry = Carry(
-            self._state,
-            jnp.zeros((1,), jnp.int32),
-            jnp.ones((1,), bool),  # its own array: the carry is donated
-            jnp.asarray([self._draws], jnp.int32),
-            jnp.zeros((vocab,), jnp.float32),  # the picker state only carries q's width
-        )
-        carry, first = pick(self._rule, logits, carry, self._rows)
-        records = [first]
-        if k > 1:  # the last draft is never fed: the target scores it
-            carry, rest = run_chunk(
-                self._runner.decode_fn, self._rule, self._runner.params, None, carry,
-                self._rows, num_steps=k - 1, exit_early=False,
-            )  # fmt: skip
-            records.append(rest)
-        self._state, self._draws = carry.state, self._draws + k
-        tokens = jnp.concatenate([r.tokens for r in records], axis=1)[0]
-        drafted = np.asarray(tokens).tolist()
-        self._cached = list(context) + drafted[:-1]
-        if not self._rule.sampled:
-            return Draft(drafted)
-        return Draft(drafted, jnp.concatenate([r.probs for r in records], axis=1)[0])
-
-    def _catch_up(self, context: Sequence[int]) -> jax.Array:
-        """Rolls the draft cache back to what it shares with ``context``, feeds the rest."""
-        # Keep at least the last token unfed: its logits are the first draft's distribution.
-        common = _common_prefix(self._cached, context, len(context) - 1)
-        state = self._state.with_lengths(jnp.asarray([common], jnp.int32))
-        feed = [int(t) for t in context[common:]]
-        if common == 0:
-            logits, state = self._runner.prefill(state, [0], [feed])
-        elif len(feed) <= 2:  # the usual case: the target's correction, maybe one last draft
-            for token in feed:
-                logits, state = self._runner.decode(
-                    state, jnp.asarray([token], jnp.int32), self._active
-                )
-        else:
-            logits, state = self._runner.prefill(state, [0], [feed], continuing=True)
-        self._state = state
-        self._cached = list(context)
-        return logits
-
-    def finish(self) -> None:
-        self._state = None
-        self._cached = []
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    same = np.asarray(a[:n]) == np.asarray(b[:n])
-    return n if same.all() else int(np.argmin(same))
-
-
-def skip_layers(model: Model, skip: Sequence[int]) -> Model:
-    """The model without the layers ``skip``: a derived config and the kept layers' weights.
-
-    The weights are shared with ``model`` (no copy); the derived model compiles its own steps.
-    """
-    num_layers = model.config.num_layers
-    skipped = set(skip)
-    if not skipped <= set(range(num_layers)):
-        raise ValueError(f"skip {sorted(skipped)} names layers outside [0, {num_layers}).")
-    kept = [i for i in range(num_layers) if i not in skipped]
-    if not kept:
-        raise ValueError("skip names every layer; keep at least one.")
-    windows = model.config.sliding_windows
-    config = dataclasses.replace(
-        model.config,
-        num_layers=len(kept),
-        sliding_windows=tuple(windows[i] for i in kept) if windows else (),
-    )
-    params = {k: v for k, v in model.params.items() if not k.startswith("layers_")}
-    params |= {f"layers_{j}": model.params[f"layers_{i}"] for j, i in enumerate(kept)}
-    return Model(config, params, model.tokenizer, model.generation_config)
-
-
-class LayerSkipDrafter(DraftModelDrafter):
-    """Self-speculation: the target itself with the layers ``skip`` left out drafts."""
-
-    def __init__(self, model: Model, skip: Sequence[int]):
-        super().__init__(skip_layers(model, skip))
-        self.skip = tuple(sorted(set(skip)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Verification: one jitted function turns the target's verify logits into accepted tokens.
+# Acceptance: pure functions of one row's verify logits.
 
 
 def target_logits(
@@ -430,85 +226,244 @@ def judge(
     )
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class VerifyRows:
-    """One verify step's inputs beside the carry: the request's sampler and the drafts."""
+def judge_rows(
+    logits: jax.Array,
+    step_tokens: jax.Array,
+    draft_probs: jax.Array,
+    num_drafts: jax.Array,
+    batch: SamplerBatch,
+    token_counts: jax.Array,
+    prompt_mask: jax.Array,
+    num_generated: jax.Array,
+    cache_lengths: jax.Array,
+    with_top: bool = False,
+) -> Verdict:
+    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V],
+    num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
+    [B], cache_lengths [B]; each field of the verdict gains a leading B axis."""
 
-    sampler: SamplerBatch  # the request's one row
-    prompt_mask: jax.Array  # bool[V]
-    drafts: jax.Array  # int32[K]: the first ``num_drafts`` real
-    draft_probs: jax.Array  # f32[K, V]: q of each draft
-    num_drafts: jax.Array  # int32[]
-
-
-@dataclass(frozen=True)
-class Verification:
-    """Speculative verification (``step.Rule``) of one sequence: the target scores its last
-    token and ``num_drafts`` drafts (``fn``: the runner's verify step; with ``num_drafts`` 0,
-    its decode step), ``judge`` accepts a prefix, and the cache rolls back the rest.
-
-    The carry's picker state is the output token counts i32[V]; its tokens[1] the last token.
-    """
-
-    num_drafts: int
-    with_top: bool = False
-
-    def forward(self, fn: Any, params: Any, carry: Carry, rows: VerifyRows, lora: Any) -> Any:
-        if self.num_drafts == 0:
-            return decode_forward(fn, params, carry, lora)
-        tokens = jnp.concatenate([carry.tokens, rows.drafts])[None, :]
-        return fn(params, tokens, (rows.num_drafts + 1)[None], carry.state, lora)
-
-    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> Verdict:
-        """A zero verdict (the loop's record has the shapes ``advance`` returns)."""
-        del rows
-        if num_steps != 1:
-            raise ValueError("a verification chunk is one step: drafts come from the host.")
-        t = self.num_drafts + 1
-        return Verdict(
-            jnp.int32(0),
-            jnp.zeros((t,), jnp.int32),
-            jnp.zeros((t,), jnp.float32),
-            jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
-            jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros_like(carry.picker),
-            jnp.zeros_like(carry.state.lengths),
-        )
-
-    def advance(
-        self, logits: jax.Array, carry: Carry, rows: VerifyRows, record: Any, i: Any
-    ) -> tuple[Carry, Verdict]:
-        del record, i
-        step_tokens = jnp.concatenate([carry.tokens, rows.drafts])[None, :]
+    def one(logits, tokens, q, n, row, counts, mask, generated, length):
+        row = jax.tree_util.tree_map(lambda x: x[None], row)
         verdict = judge(
-            logits,
-            step_tokens[:, : self.num_drafts + 1],
-            rows.draft_probs[: self.num_drafts],
-            rows.num_drafts,
-            rows.sampler,
-            carry.picker,
-            rows.prompt_mask,
-            carry.num_generated[0],
-            carry.state.lengths,
-            with_top=self.with_top,
-        )
-        n = verdict.num_accepted
-        carry = Carry(
-            carry.state.with_lengths(verdict.cache_lengths),
-            verdict.tokens[n][None],
-            carry.active,
-            carry.num_generated + n + 1,
-            verdict.token_counts,
-        )
-        return carry, verdict
+            logits[None], tokens[None], q, n, row, counts, mask, generated, length[None],
+            with_top=with_top,
+        )  # fmt: skip
+        return verdict._replace(cache_lengths=verdict.cache_lengths[0])
 
-    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
-        return jnp.bool_(True)
+    return jax.vmap(one)(
+        logits, step_tokens, draft_probs, num_drafts, batch, token_counts, prompt_mask,
+        num_generated, cache_lengths,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop.
+# The speculative step: the generation core's rule.
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecState:
+    """The carry's state: the target's cache and the device drafter's rows (None: host)."""
+
+    target: Any
+    draft: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecParams:
+    """The chunk's params: the target's and the device drafter's (None: host)."""
+
+    target: Any
+    draft: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecRows:
+    """Each row's fixed inputs for a run of speculative steps (B rows, K drafts)."""
+
+    sampler: SamplerBatch
+    prompt_mask: jax.Array  # bool[B, V] ([B, 1] when the rule is greedy)
+    max_tokens: jax.Array  # int32[B]
+    num_drafts: jax.Array  # int32[B]: drafts verified per step (fewer near max_tokens)
+    draft_keys: jax.Array  # u32[B, 2]: the drafter's key stream of each row
+    drafts: jax.Array  # int32[B, K]: a host drafter's proposal (unused by device drafters)
+    draft_probs: jax.Array  # f32[B, K, V]: its q ([B, K, 1] when greedy or on the device)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SpecRecord:
+    """What a chunk of S speculative steps tells the host, per row and step (T = K + 1)."""
+
+    tokens: jax.Array  # int32[B, S, T]: kept drafts, then the target's token; -1 after
+    num_accepted: jax.Array  # int32[B, S]
+    num_drafts: jax.Array  # int32[B, S]: drafts verified (0: a plain decode step)
+    valid: jax.Array  # bool[B, S]: the row was generating at that step
+    logprobs: jax.Array | None  # f32[B, S, T]
+    top_logprobs: jax.Array | None  # f32[B, S, T, MAX_LOGPROBS]
+    top_ids: jax.Array | None  # int32[B, S, T, MAX_LOGPROBS]
+
+
+class Proposal(NamedTuple):
+    """``Speculation.forward``'s output: the verify logits and what was verified."""
+
+    logits: jax.Array  # [B, T, V]
+    drafts: jax.Array  # int32[B, K]
+    draft_probs: jax.Array | None  # f32[B, K, V] q, or None (greedy)
+    num_drafts: jax.Array  # int32[B]: real drafts of each row (0 for inactive rows)
+    hidden: jax.Array | None  # [B, T, D] the target's states (a drafter asked for them)
+
+    @classmethod
+    def of_logits(cls, logits: jax.Array) -> Proposal:
+        """The proposal of a step without drafts (a prefill's logits [B, V])."""
+        b = logits.shape[0]
+        zeros = jnp.zeros((b,), jnp.int32)
+        return cls(logits[:, None], jnp.zeros((b, 0), jnp.int32), None, zeros, None)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative steps (``step.Rule``): draft, verify, accept, roll back, for every row.
+
+    num_drafts: K, the verify step's width is K + 1 (0: plain decode steps, ``fn`` the
+        runner's decode step; else its verify step, or ``verify_hidden_fn`` for a drafter that
+        ``needs_hidden``).
+    drafter: a device drafter's program; None: the drafts are ``rows.drafts`` (host).
+    greedy: every row is plain greedy: acceptance is the argmax match and no processor runs.
+    with_top: fill the record's logprob fields.
+    The picker state is the output token counts int32[B, V] ([B, 1] when greedy).
+    """
+
+    num_drafts: int
+    drafter: Any = None
+    greedy: bool = False
+    with_top: bool = False
+
+    def forward(self, fn: Any, params: SpecParams, carry: Carry, rows: SpecRows, lora: Any):
+        target, draft = carry.state.target, carry.state.draft
+        k, active = self.num_drafts, carry.active
+        if k == 0:
+            logits, target = fn(params.target, carry.tokens, active, target, lora)
+            return Proposal.of_logits(logits), SpecState(target, draft)
+        room = rows.max_tokens - carry.num_generated - 1  # drafts past max_tokens are cut
+        limit = jnp.where(active, jnp.clip(jnp.minimum(rows.num_drafts, room), 0, k), 0)
+        if self.drafter is None:
+            drafts, q = rows.drafts, None if self.greedy else rows.draft_probs
+        else:
+            drafts, q, draft = self.drafter.propose(
+                params.target, params.draft, draft, carry, rows.draft_keys,
+                rows.sampler.temperature, k, not self.greedy,
+            )  # fmt: skip
+        tokens = jnp.concatenate([carry.tokens[:, None], drafts], axis=1)
+        lengths = jnp.where(active, limit + 1, 0)
+        out, target = fn(params.target, tokens, lengths, target, lora)
+        logits, hidden = out if self.needs_hidden else (out, None)
+        return Proposal(logits, drafts, q, limit, hidden), SpecState(target, draft)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.drafter is not None and self.drafter.needs_hidden
+
+    def empty_record(self, carry: Carry, rows: Any, num_steps: int) -> SpecRecord:
+        b, t = carry.tokens.shape[0], self.num_drafts + 1
+        steps = lambda *shape, dtype: jnp.zeros((b, num_steps, *shape), dtype)
+        top = (None, None, None)
+        if self.with_top:
+            top = (
+                steps(t, dtype=jnp.float32),
+                steps(t, MAX_LOGPROBS, dtype=jnp.float32),
+                steps(t, MAX_LOGPROBS, dtype=jnp.int32),
+            )
+        return SpecRecord(
+            steps(t, dtype=jnp.int32), steps(dtype=jnp.int32), steps(dtype=jnp.int32),
+            steps(dtype=bool), *top,
+        )  # fmt: skip
+
+    def advance(
+        self, proposal: Proposal, carry: Carry, rows: SpecRows, record: SpecRecord, i: Any
+    ) -> tuple[Carry, SpecRecord]:
+        target = carry.state.target
+        active, limit = carry.active, proposal.num_drafts
+        step_tokens = jnp.concatenate([carry.tokens[:, None], proposal.drafts], axis=1)
+        if self.greedy:
+            n, tokens, counts = _greedy_verdict(proposal.logits, proposal.drafts, limit)
+            lengths = target.lengths - limit + n  # verify kept the last token and each draft
+            top = (record.logprobs, record.top_logprobs, record.top_ids)
+        else:
+            vocab = proposal.logits.shape[-1]
+            q = proposal.draft_probs
+            q = jnp.zeros((*proposal.drafts.shape, vocab), jnp.float32) if q is None else q
+            verdict = judge_rows(
+                proposal.logits, step_tokens, q, limit, rows.sampler, carry.picker,
+                rows.prompt_mask, carry.num_generated, target.lengths, self.with_top,
+            )  # fmt: skip
+            n, tokens, lengths = verdict.num_accepted, verdict.tokens, verdict.cache_lengths
+            counts = jnp.where(active[:, None], verdict.token_counts, carry.picker)
+            top = (record.logprobs, record.top_logprobs, record.top_ids)
+            if self.with_top:
+                top = (
+                    record.logprobs.at[:, i].set(verdict.logprobs),
+                    record.top_logprobs.at[:, i].set(verdict.top_logprobs),
+                    record.top_ids.at[:, i].set(verdict.top_ids),
+                )
+        n = jnp.where(active, n, 0)
+        last = jnp.take_along_axis(tokens, n[:, None], axis=1)[:, 0]
+        done = _device_done(tokens, n, carry.num_generated, rows)
+        lengths = jnp.where(active, lengths, target.lengths)
+        draft = carry.state.draft
+        if self.drafter is not None:
+            outcome = Outcome(active, n, tokens, lengths, proposal.hidden)
+            draft = self.drafter.accept(draft, outcome)
+        record = SpecRecord(
+            record.tokens.at[:, i].set(jnp.where(active[:, None], tokens, -1)),
+            record.num_accepted.at[:, i].set(n),
+            record.num_drafts.at[:, i].set(limit),
+            record.valid.at[:, i].set(active),
+            *top,
+        )
+        carry = Carry(
+            SpecState(target.with_lengths(lengths), draft),
+            jnp.where(active, last, carry.tokens),
+            active & ~done,
+            carry.num_generated + jnp.where(active, n + 1, 0),
+            counts,
+        )
+        return carry, record
+
+    def go_on(self, carry: Carry, entry: Carry, rows: Any) -> jax.Array:
+        return jnp.any(carry.active)
+
+
+def _greedy_verdict(
+    logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array
+) -> tuple[jax.Array, jax.Array, None]:
+    """(kept n[B], tokens[B, T], no counts): ``greedy_accept`` of every row, on plain argmax."""
+    picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    n, following = jax.vmap(greedy_accept)(picks, drafts, num_drafts)
+    at = jnp.arange(picks.shape[1])[None, :]
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(at < n[:, None], padded, jnp.where(at == n[:, None], following[:, None], -1))
+    return n, tokens, None
+
+
+def _device_done(
+    tokens: jax.Array, n: jax.Array, num_generated: jax.Array, rows: SpecRows
+) -> jax.Array:
+    """bool[B]: one of the step's n + 1 tokens is a stop id past min_tokens, or max_tokens is
+    reached (``request.device_done`` over the step's tokens; stop strings are the host's)."""
+    at = jnp.arange(tokens.shape[1])[None, :]
+    count = num_generated[:, None] + at + 1  # the output length with that token
+    stops = jnp.any(tokens[:, :, None] == rows.sampler.stop_ids[:, None, :], axis=-1)
+    ends = (stops & (count >= rows.sampler.min_tokens[:, None])) | (
+        count >= rows.max_tokens[:, None]
+    )
+    return jnp.any(ends & (at <= n[:, None]), axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: one request.
 
 
 @dataclass
@@ -529,14 +484,21 @@ def generate_speculative(
     prompt_ids: Sequence[int],
     params: SamplingParams | None = None,
     num_drafts: int = 4,
-    drafter: Drafter | None = None,
+    drafter: str | Drafter | DeviceDrafter | None = None,
+    *,
+    draft_model: Model | str | Path | None = None,
+    skip: Sequence[int] | None = None,
+    head: str | Path | tuple[Any, ModelConfig] | None = None,
+    loop: LoopOptions | None = None,
 ) -> SpeculativeResult:
     """Generates one completion with drafts checked by the target (greedy when params is None).
 
-    ``drafter`` defaults to ``PromptLookupDrafter()``. One sequence per call: a batch is
-    refused. Greedy output is token-identical to ``engine.generate``; sampled output has the
-    same distribution. Stops (ids, strings, max_tokens), penalties and logprobs behave as in
-    the engine. The result's ``spec_stats`` holds the drafting statistics.
+    ``drafter``: a name (``"ngram"``, ``"draft"`` with ``draft_model``, ``"layer-skip"`` with
+    ``skip``, ``"head"`` with ``head``; see ``drafters.make_drafter``) or a drafter object;
+    default ``"ngram"``. Device drafters run ``loop.steps_per_sync`` speculative steps per host
+    sync. One sequence per call: a batch is refused. Greedy output is token-identical to
+    ``generate``; sampled output has the same distribution. Stops, penalties, logprobs and the
+    request's LoRA adapter (applied by the target) behave as in ``generate``.
     """
     if model.config.is_encoder_decoder:
         raise ValueError("speculative decoding supports decoder-only models.")
@@ -548,106 +510,188 @@ def generate_speculative(
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}.")
     params = SamplingParams(temperature=0.0) if params is None else params
-    if params.adapter is not None:
-        raise ValueError("speculative decoding does not apply LoRA adapters; use generate.")
     (prompt,) = check_prompts(model, [prompt_ids], [params])
-    drafter = PromptLookupDrafter() if drafter is None else drafter
+    adapter = adapter_slot(model.lora_pool, params.adapter)  # unknown names fail here
+    if drafter is None or isinstance(drafter, str):
+        drafter = make_drafter(drafter or "ngram", model, draft_model, skip, head)
     slots = model.slot_pool.acquire(1)
+    run = _Speculation(model, prompt, params, num_drafts, drafter, adapter, loop or LoopOptions())
     try:
-        drafter.start(prompt, params, len(prompt) + params.max_tokens + num_drafts)
-        return _speculate(model, prompt, params, num_drafts, drafter)
+        return run.generate()
     finally:
-        drafter.finish()
+        if not run.on_device:
+            drafter.finish()
         model.slot_pool.release(slots)
 
 
 class _Speculation:
     """One request in flight: its state, the target's carry, the statistics."""
 
-    def __init__(self, model: Model, prompt: list[int], params: SamplingParams, k: int):
+    def __init__(self, model, prompt, params, k, drafter, adapter, loop: LoopOptions):
         self.model = model
         self.runner = model.runner
         self.prompt = prompt
         self.params = params
         self.num_drafts = k
+        self.drafter = drafter
+        self.loop = loop
+        self.on_device = is_device_drafter(drafter)
         self.request = RequestState(0, prompt, params, model.eos_token_ids, model.tokenizer)
         self.stats = dict.fromkeys(("drafted", "accepted", "verify_steps", "decode_steps"), 0)
         self.with_top = params.logprobs is not None
+        self.greedy = params.plain_greedy
+        self.program = drafter.program if self.on_device else None
+        self.needs_hidden = self.on_device and self.program.needs_hidden
+        pool = model.lora_pool
+        self.lora_kw = {} if pool is None else {"adapters": [adapter]}
+        self.lora = None if pool is None else self.runner.lora_input([adapter])
+        self.max_len = cache_len(len(prompt) + params.max_tokens + k + 1)
+
+    def rule(self, k: int) -> Speculation:
+        return Speculation(k, self.program, self.greedy, self.with_top)
+
+    def generate(self) -> SpeculativeResult:
+        t0 = time.perf_counter()
+        if not self.on_device:
+            self.drafter.start(self.prompt, self.params, self.max_len - 1)
+        self.prefill()
+        timings = {"ttft_s": time.perf_counter() - t0}
+        if self.on_device:
+            self._device_loop()
+        else:
+            self._host_loop()
+        timings["total_s"] = time.perf_counter() - t0
+        timings["decode_steps"] = self.stats["verify_steps"] + self.stats["decode_steps"]
+        return self.result(timings)
 
     def prefill(self) -> None:
-        """Runs the prompt and picks the first token (no drafts yet)."""
-        max_len = cache_len(len(self.prompt) + self.params.max_tokens + self.num_drafts + 1)
-        state = self.runner.init_state(1, max_len)
-        logits, state = self.runner.prefill(state, [0], [self.prompt], [self.params])
+        """Runs the prompt (and the drafter's start) and picks the first token."""
+        runner, prompt, k = self.runner, self.prompt, self.num_drafts
+        state = runner.init_state(1, self.max_len)
+        hidden = None
+        if self.needs_hidden:  # the verify step from an empty row is a prefill with states
+            tokens = np.zeros((1, bucket(len(prompt))), np.int32)
+            tokens[0, : len(prompt)] = prompt
+            lengths = jnp.asarray([len(prompt)], jnp.int32)
+            (logits, hidden), state = runner.verify_hidden_fn(
+                runner.params, jnp.asarray(tokens), lengths, state, self.lora
+            )
+            logits = logits[:, len(prompt) - 1]
+        else:
+            logits, state = runner.prefill(state, [0], [prompt], [self.params], **self.lora_kw)
+        draft, draft_params = None, None
+        if self.on_device:
+            draft = self.drafter.start(self.model, [prompt], self.max_len, k, TargetPrefill(hidden))
+            draft_params = self.drafter.params(self.model)
+        self.spec_params = SpecParams(runner.params, draft_params)
         vocab = self.vocab = logits.shape[-1]
-        prompt_mask = np.zeros((vocab,), bool)
-        prompt_mask[self.prompt] = True
+        width = 1 if self.greedy else vocab
+        prompt_mask = np.zeros((1, width), bool)
+        if not self.greedy:
+            prompt_mask[0, prompt] = True
         sampler = SamplerBatch.from_params([self.params], vocab, self.model.eos_token_ids)
-        self.rows = VerifyRows(
+        draft_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(sampler.keys, DRAFT_STREAM)
+        self.rows = SpecRows(
             sampler,
             jnp.asarray(prompt_mask),
-            jnp.zeros((self.num_drafts,), jnp.int32),
-            jnp.zeros((self.num_drafts, vocab), jnp.float32),  # greedy: no q is read
-            jnp.int32(0),
+            jnp.asarray([self.params.max_tokens], jnp.int32),
+            jnp.asarray([k], jnp.int32),
+            draft_keys,
+            jnp.zeros((1, k), jnp.int32),
+            # q: a host drafter's sampled rows send theirs; nothing else reads it.
+            jnp.zeros((1, k, 1 if self.greedy or self.on_device else vocab), jnp.float32),
         )
         self.carry = Carry(
-            state,
-            jnp.asarray([self.prompt[-1]], jnp.int32),
+            SpecState(state, draft),
+            jnp.asarray([prompt[-1]], jnp.int32),
             jnp.ones((1,), bool),
             jnp.zeros((1,), jnp.int32),
-            jnp.zeros((vocab,), jnp.int32),
+            jnp.zeros((1, width), jnp.int32),
         )
-        rule = Verification(0, self.with_top)
-        self.carry, verdict = pick(rule, logits, self.carry, self.rows)
-        self._emit(verdict)
+        self.carry, record = pick(self.rule(0), Proposal.of_logits(logits), self.carry, self.rows)
+        self._emit(record, target_steps=False)
 
-    def step(self, draft: Draft) -> None:
-        """Verifies one draft (a plain decode step when it is empty) and emits the tokens."""
-        m, k, vocab = len(draft.tokens), self.num_drafts, self.vocab
-        if m > k or any(not 0 <= t < vocab for t in draft.tokens):
-            raise ValueError(
-                f"the drafter proposed {draft.tokens}: more than {k} tokens or ids outside "
-                f"[0, {vocab})."
-            )
-        if m == 0:  # no guess: a decode step is cheaper than verifying padding
-            rule, fn = Verification(0, self.with_top), self.runner.decode_fn
-            self.rows = dataclasses.replace(self.rows, num_drafts=jnp.int32(0))
-            self.stats["decode_steps"] += 1
-        else:  # padded to K drafts: one verify compile per K
-            rule, fn = Verification(k, self.with_top), self.runner.verify_fn
-            drafts = np.zeros((k,), np.int32)
-            drafts[:m] = draft.tokens
-            probs = self.rows.draft_probs
-            if not self.params.greedy:
-                probs = _pad_draft_probs(draft, drafts, vocab)
-            self.rows = dataclasses.replace(
-                self.rows, drafts=jnp.asarray(drafts), draft_probs=probs, num_drafts=jnp.int32(m)
-            )
-        self.carry, verdict = run_chunk(
-            fn, rule, self.runner.params, None, self.carry, self.rows, num_steps=1
-        )
-        n = self._emit(verdict)
-        if m:
-            self.stats["drafted"] += m
-            self.stats["accepted"] += n
-            self.stats["verify_steps"] += 1
+    def _device_loop(self) -> None:
+        """Chunks of speculative steps; the next is queued before this one is read while the
+        request cannot end inside it by max_tokens."""
+        k, s = self.num_drafts, self.loop.steps_per_sync
+        fn = self.runner.verify_hidden_fn if self.needs_hidden else self.runner.verify_fn
+        rule = self.rule(k)
 
-    def _emit(self, verdict: Verdict) -> int:
-        """Feeds the accepted tokens to the request; returns how many drafts were accepted."""
-        want = ["num_accepted", "tokens"]
+        def dispatch() -> SpecRecord:
+            self.carry, record = run_chunk(
+                fn, rule, self.spec_params, self.lora, self.carry, self.rows, s,
+                self.loop.exit_early,
+            )  # fmt: skip
+            return record
+
+        record = dispatch()
+        while True:
+            remaining = self.params.max_tokens - len(self.request.tokens)
+            ahead = dispatch() if remaining > s * (k + 1) else None
+            self._emit(record)
+            if self.request.finished:
+                return
+            record = ahead if ahead is not None else dispatch()
+
+    def _host_loop(self) -> None:
+        """One verify step per proposal of the host drafter (a decode step when it has none)."""
+        k, vocab = self.num_drafts, self.vocab
+        while not self.request.finished:
+            remaining = self.params.max_tokens - len(self.request.tokens)
+            # Drafts past max_tokens would be cut anyway: ask only for what can still be used.
+            draft = self.drafter.propose(self.prompt + self.request.tokens, min(k, remaining - 1))
+            m = len(draft.tokens)
+            if m > k or any(not 0 <= t < vocab for t in draft.tokens):
+                raise ValueError(
+                    f"the drafter proposed {draft.tokens}: more than {k} tokens or ids outside "
+                    f"[0, {vocab})."
+                )
+            if m == 0:  # no guess: a decode step is cheaper than verifying padding
+                rule, fn = self.rule(0), self.runner.decode_fn
+            else:  # padded to K drafts: one verify compile per K
+                rule, fn = self.rule(k), self.runner.verify_fn
+                drafts = np.zeros((1, k), np.int32)
+                drafts[0, :m] = draft.tokens
+                probs = self.rows.draft_probs
+                if not self.greedy:
+                    probs = _pad_draft_probs(draft, drafts[0], vocab)[None]
+                self.rows = dataclasses.replace(
+                    self.rows,
+                    drafts=jnp.asarray(drafts),
+                    draft_probs=probs,
+                    num_drafts=jnp.asarray([m], jnp.int32),
+                )
+            self.carry, record = run_chunk(
+                fn, rule, self.spec_params, self.lora, self.carry, self.rows, num_steps=1
+            )
+            self._emit(record)
+
+    def _emit(self, record: SpecRecord, target_steps: bool = True) -> None:
+        """Feeds a record's tokens to the request, step by step, until it finishes
+        (``target_steps``: count the steps in the statistics; not the prefill's pick)."""
+        want = ["tokens", "num_accepted", "num_drafts", "valid"]
         if self.with_top:
             want += ["logprobs", "top_logprobs", "top_ids"]
-        host = jax.device_get({name: getattr(verdict, name) for name in want})
-        n = int(host["num_accepted"])
-        rows = _VerdictRows(
-            **{k: host.get(k) for k in ("tokens", "logprobs", "top_logprobs", "top_ids")}
-        )
-        for i in range(n + 1):
-            lp = None if not self.with_top else token_logprobs(rows, i, None, self.params.logprobs)
-            self.request.add(int(host["tokens"][i]), lp)
-            if self.request.finished:
-                break
-        return n
+        host = jax.device_get({name: getattr(record, name) for name in want})
+        for step in range(host["valid"].shape[1]):
+            if self.request.finished or not host["valid"][0, step]:
+                return
+            n, m = int(host["num_accepted"][0, step]), int(host["num_drafts"][0, step])
+            rows = _StepRows(*(host[f][0, step] if f in host else None for f in _StepRows._fields))
+            for i in range(n + 1):
+                lp = None
+                if self.with_top:
+                    lp = token_logprobs(rows, i, None, self.params.logprobs)
+                self.request.add(int(rows.tokens[i]), lp)
+                if self.request.finished:
+                    break
+            if target_steps and m:
+                self.stats["drafted"] += m
+                self.stats["accepted"] += n
+                self.stats["verify_steps"] += 1
+            elif target_steps:
+                self.stats["decode_steps"] += 1
 
     def result(self, timings: dict[str, float]) -> SpeculativeResult:
         result = self.request.result(timings)
@@ -665,29 +709,13 @@ class _Speculation:
         return SpeculativeResult(**fields, spec_stats=spec_stats)
 
 
-class _VerdictRows(NamedTuple):
-    """A verdict's host arrays under the field names ``token_logprobs`` reads."""
+class _StepRows(NamedTuple):
+    """One step's host arrays under the field names ``token_logprobs`` reads."""
 
     tokens: np.ndarray
     logprobs: np.ndarray | None
     top_logprobs: np.ndarray | None
     top_ids: np.ndarray | None
-
-
-def _speculate(
-    model: Model, prompt: list[int], params: SamplingParams, num_drafts: int, drafter: Drafter
-) -> SpeculativeResult:
-    t0 = time.perf_counter()
-    run = _Speculation(model, prompt, params, num_drafts)
-    run.prefill()
-    timings = {"ttft_s": time.perf_counter() - t0}
-    while run.request.finish_reason is None:
-        remaining = params.max_tokens - len(run.request.tokens)
-        # Drafts past max_tokens would be cut anyway: ask only for what can still be used.
-        run.step(drafter.propose(prompt + run.request.tokens, min(num_drafts, remaining - 1)))
-    timings["total_s"] = time.perf_counter() - t0
-    timings["decode_steps"] = run.stats["verify_steps"] + run.stats["decode_steps"]
-    return run.result(timings)
 
 
 def _pad_draft_probs(draft: Draft, padded_tokens: np.ndarray, vocab: int) -> jax.Array:

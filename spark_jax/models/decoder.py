@@ -7,6 +7,7 @@ the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
     prefill(params, config, tokens[B,T], lengths[B], slots[B], kv) -> (logits[B,V], kv)
     decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
+    verify_hidden(...same...)                     -> ((logits[B,T,V], hidden[B,T,D]), kv)
 
 ``prefill`` writes rows ``slots`` of the cache; ``decode`` and ``verify`` run every row of
 the cache in order, so reading the cache never copies it. Every step takes ``options``
@@ -351,6 +352,34 @@ def _verify_rows(
     return verify(params, config, tokens, lengths, kv, lora, options=options)
 
 
+@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
+def verify_hidden(
+    params,
+    config: ModelConfig,
+    tokens,
+    lengths,
+    kv: KVCache,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
+) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
+    """``verify`` that also returns the final hidden states: ((logits[B,T,V], hidden[B,T,D]),
+    kv). A program of its own, so the plain verify step never writes the hidden states out
+    (a draft head reads them; spark_jax.models.draft_head)."""
+    model, hidden, kv = _run(
+        params, config, tokens, kv.lengths, lengths, None, kv, lora=lora, options=options
+    )
+    logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
+    return (logits, hidden), kv
+
+
+def _verify_hidden_rows(
+    params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
+):
+    """``verify_hidden`` in the argument order of ``Runner.verify_hidden_fn``."""
+    return verify_hidden(params, config, tokens, lengths, kv, lora, options=options)
+
+
 # ---------------------------------------------------------------------------------------------
 # Research: the teacher-forced forward with what HF's output flags return. It runs the layers
 # above through the reference attention; no serving step calls it.
@@ -463,6 +492,7 @@ class Runner:
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config, options=options)
         self.verify_fn = partial(_verify_rows, config=config, options=options)
+        self.verify_hidden_fn = partial(_verify_hidden_rows, config=config, options=options)
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt

@@ -19,6 +19,7 @@ from spark_jax.generation import step
 from spark_jax.generation.speculative import (
     Draft,
     DraftModelDrafter,
+    HeadDrafter,
     LayerSkipDrafter,
     PromptLookupDrafter,
     generate_speculative,
@@ -26,6 +27,7 @@ from spark_jax.generation.speculative import (
     skip_layers,
     target_logits,
 )
+from spark_jax.models import draft_head
 from spark_jax.ops.sampling import SamplerBatch, sample
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -84,15 +86,27 @@ def draft_model():
     return model_from_hf(HF_BUILDERS["llama_tied"]().eval())
 
 
-DRAFTERS = ["ngram", "draft_model", "layer_skip", "self_draft", "oracle", "wrong"]
+@pytest.fixture(scope="module")
+def device_drafters(model, draft_model):
+    """The device drafters, built once: each compiles its own speculative chunk."""
+    config = draft_head.head_config(model.config, intermediate_size=32, num_heads=2)
+    head = draft_head.init_params(config, jax.random.PRNGKey(3))
+    return {
+        "draft_model": DraftModelDrafter(draft_model),
+        "layer_skip": LayerSkipDrafter(model, skip=[1]),
+        "self_draft": DraftModelDrafter(model),
+        "head": HeadDrafter(model, (head, config)),
+    }
 
 
-def make_drafter(name, model, draft_model, reference):
+DRAFTERS = ["ngram", "draft_model", "layer_skip", "self_draft", "head", "oracle", "wrong"]
+
+
+def make_drafter(name, device_drafters, reference):
+    if name in device_drafters:
+        return device_drafters[name]
     return {
         "ngram": lambda: PromptLookupDrafter(max_ngram=3, min_ngram=1),
-        "draft_model": lambda: DraftModelDrafter(draft_model),
-        "layer_skip": lambda: LayerSkipDrafter(model, skip=[1]),
-        "self_draft": lambda: DraftModelDrafter(model),
         "oracle": lambda: OracleDrafter(reference),
         "wrong": lambda: WrongDrafter(reference),
     }[name]()
@@ -105,10 +119,10 @@ def make_drafter(name, model, draft_model, reference):
 @pytest.mark.parametrize("num_drafts", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_greedy_output_is_token_identical_to_generate(
-    model, draft_model, references, name, num_drafts
+    model, device_drafters, references, name, num_drafts
 ):
     for prompt, reference in zip(PROMPTS, references, strict=True):
-        drafter = make_drafter(name, model, draft_model, reference)
+        drafter = make_drafter(name, device_drafters, reference)
         result = generate_speculative(model, prompt, GREEDY, num_drafts, drafter)
         assert result.output_tokens == reference
         assert result.finish_reason == "length"
@@ -118,6 +132,30 @@ def test_greedy_output_is_token_identical_to_generate(
             assert s["acceptance_rate"] == 1.0
         if name == "wrong":
             assert s["acceptance_rate"] == 0.0 and s["tokens_per_step"] == 1.0
+
+
+def test_drafters_are_chosen_by_name_and_unknown_names_are_refused(model, references):
+    result = generate_speculative(model, PROMPTS[2], GREEDY, 4, drafter="ngram")
+    assert result.output_tokens == references[2]
+    assert result.spec_stats["num_accepted"] > 0  # the prompt repeats itself
+    skipped = generate_speculative(model, PROMPTS[0], GREEDY, 2, "layer-skip", skip=[0])
+    assert skipped.output_tokens == references[0]
+    with pytest.raises(ValueError, match="ngram, draft, layer-skip, head"):
+        generate_speculative(model, PROMPTS[0], GREEDY, 4, drafter="nope")
+    with pytest.raises(ValueError, match="draft_model"):
+        generate_speculative(model, PROMPTS[0], GREEDY, 4, drafter="draft")
+    assert model.slot_pool.in_use == 0
+
+
+def test_device_drafters_run_several_steps_per_host_sync(model, device_drafters, references):
+    """The chunk's record holds every step: a finished request needs a few syncs, and the
+    output does not depend on how many steps a chunk runs."""
+    drafter = device_drafters["self_draft"]
+    for steps in (1, 3, 16):
+        loop = sj.LoopOptions(steps_per_sync=steps)
+        result = generate_speculative(model, PROMPTS[1], GREEDY, 2, drafter, loop=loop)
+        assert result.output_tokens == references[1]
+        assert result.spec_stats["acceptance_rate"] == 1.0  # the target drafting for itself
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_most_recent_match():
@@ -368,13 +406,12 @@ def test_sampled_output_follows_the_target_distribution_end_to_end():
     assert 0 < accepted / drafted < 0.5
 
 
-def test_seeded_sampling_is_reproducible(model, draft_model):
+def test_seeded_sampling_is_reproducible(model, device_drafters):
     params = sj.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7)
-    runs = [
-        generate_speculative(model, PROMPTS[0], params, 3, DraftModelDrafter(draft_model))
-        for _ in range(2)
-    ]
-    assert runs[0].output_tokens == runs[1].output_tokens
+    for name in ("draft_model", "head"):
+        drafter = device_drafters[name]
+        runs = [generate_speculative(model, PROMPTS[0], params, 3, drafter) for _ in range(2)]
+        assert runs[0].output_tokens == runs[1].output_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,3 +475,24 @@ def test_smollm2_quoting_a_passage_accepts_most_prompt_lookup_drafts(smollm2):
         want.stop_reason,
     )
     assert want.stop_reason == "great lens"
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA: the request's adapter applies when the target verifies.
+
+
+def test_the_requests_adapter_applies_when_verifying(tiny_llama, tmp_path_factory):
+    from helpers import add_peft_adapters
+
+    hf, _ = tiny_llama
+    adapted = model_from_hf(hf)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    add_peft_adapters(adapted, hf, {"a": lora}, tmp_path_factory)
+    params = dataclasses.replace(GREEDY, adapter="a")
+    want = sj.generate(adapted, PROMPTS[1], params).output_tokens
+    assert want != sj.generate(adapted, PROMPTS[1], GREEDY).output_tokens  # the adapter matters
+    for drafter in (OracleDrafter(want), DraftModelDrafter(adapted)):
+        got = generate_speculative(adapted, PROMPTS[1], params, 4, drafter)
+        assert got.output_tokens == want
+    with pytest.raises(ValueError, match="nope"):
+        generate_speculative(adapted, PROMPTS[1], dataclasses.replace(GREEDY, adapter="nope"))

@@ -1,0 +1,62 @@
+"""Draft heads: the declaration is the module's tree, checkpoints round-trip, training learns."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_prompt
+
+import spark_jax as sj
+from spark_jax.generation.draft_training import HeadTraining, train_draft_head
+from spark_jax.models import draft_head
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return tiny_llama[1]
+
+
+@pytest.fixture(scope="module")
+def config(model):
+    return draft_head.head_config(model.config, intermediate_size=32, num_heads=2)
+
+
+def test_the_declaration_is_the_modules_tree_under_deepseek_mtp_names(config):
+    params = draft_head.init_params(config, jax.random.PRNGKey(0))
+    shapes = jax.tree_util.tree_map(lambda x: tuple(x.shape), params)
+    assert shapes == draft_head.declare(config).shapes()
+    names = set(draft_head.declare(config).weight_spec().required)
+    assert {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"} <= names
+    assert "self_attn.q_proj.weight" in names and "mlp.down_proj.weight" in names
+
+
+def test_a_saved_head_loads_back_with_its_block_shape(model, config, tmp_path):
+    params = draft_head.init_params(config, jax.random.PRNGKey(1))
+    path = tmp_path / "head.safetensors"
+    draft_head.save_draft_head(path, params, config, dtype=jnp.float32)
+    loaded, loaded_config = draft_head.load_draft_head(path, model.config)
+    assert loaded_config == config
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(params), leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = draft_head.head_config(model.config, intermediate_size=48, num_heads=2)
+    with pytest.raises(ValueError, match="not a draft head for this model"):
+        bad = tmp_path / "bad.safetensors"
+        draft_head.save_draft_head(bad, draft_head.init_params(other, jax.random.PRNGKey(2)), other)
+        with open(bad, "rb") as f:  # a file whose metadata says one shape, tensors another
+            raw = f.read()
+        bad.write_bytes(raw.replace(b'"intermediate_size":"48"', b'"intermediate_size":"32"'))
+        draft_head.load_draft_head(bad, model.config)
+
+
+def test_training_on_the_targets_greedy_outputs_lowers_the_loss(model, config):
+    prompts = [random_prompt(100 + i, 6) for i in range(16)]
+    params = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = sj.generate_batch(model, prompts, params)
+    sequences = [p + o.output_tokens for p, o in zip(prompts, outputs, strict=True)]
+    training = HeadTraining(steps=60, batch_size=8, token_positions=64, learning_rate=5e-3)
+    head = train_draft_head(model, sequences, [6] * 16, config, training)
+    first, last = np.mean(head.losses[:5]), np.mean(head.losses[-5:])
+    assert last < 0.8 * first
