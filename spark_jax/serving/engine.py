@@ -67,6 +67,17 @@ DECODER_ONLY_OPTIONS += ("min_decode_pages",)
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A read-only snapshot of what the engine holds (for a server's metrics)."""
+
+    num_running: int  # sequences holding a cache row (beam searches included)
+    num_waiting: int  # requests queued for a row
+    pages_in_use: int  # KV pages held (0 for a dense cache)
+    num_pages: int  # the page pool's size (0 for a dense cache)
+    num_preemptions: int
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request: its new tokens, their text, and its end."""
@@ -283,6 +294,21 @@ class Engine:
     @property
     def pages_in_use(self) -> int:
         return self.scheduler.pages_in_use
+
+    def stats(self) -> EngineStats:
+        """What the engine holds now: running and waiting requests, pages."""
+        with self._lock:
+            lane = self.beams
+            searching = 0 if lane is None else len(lane.searching) + len(lane.finished)
+            pending = 0 if lane is None else len(lane.pending)
+            pages = self.scheduler.pages
+            return EngineStats(
+                num_running=self.scheduler.slots_in_use + searching,
+                num_waiting=len(self.scheduler.waiting) + pending,
+                pages_in_use=self.pages_in_use,
+                num_pages=0 if pages is None else pages.num_pages,
+                num_preemptions=self.num_preemptions,
+            )
 
     # -- requests ---------------------------------------------------------------------------
 
