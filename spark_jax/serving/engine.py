@@ -357,7 +357,7 @@ class Engine:
     def _check_source_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """An encoder-decoder source: the runner's checks, then this engine's cache sizes."""
         prompt = check_prompt(prompt_ids, self.model.config.vocab_size, what="the source")
-        self.runner.check_source(prompt, params)
+        prompt = self.runner.source_tokens(prompt, params)
         self.runner.target_language_id(params)
         if len(prompt) > self.max_source_len:
             raise ValueError(
@@ -379,7 +379,7 @@ class Engine:
                 "beam search needs an encoder-decoder model (NLLB / M2M100); this engine "
                 "serves a decoder-only model."
             )
-        (adapter,) = check_beam_requests(self.runner, [request])
+        ((request, adapter),) = check_beam_requests(self.runner, [request])
         if len(request.prompt_tokens) > self.max_source_len:
             raise ValueError(
                 f"the source has {len(request.prompt_tokens)} tokens, past this engine's "
