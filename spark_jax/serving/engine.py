@@ -41,6 +41,7 @@ from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_reques
 from spark_jax.generation.request import (
     GenerationResult,
     RequestState,
+    TokenLogprobs,
     check_prompt,
     params_list,
     token_logprobs,
@@ -87,6 +88,7 @@ class RequestOutput:
     text_delta: str
     finished: bool = False
     result: GenerationResult | BeamResult | None = None  # set when finished
+    logprobs: list[TokenLogprobs] | None = None  # the new tokens' (when the request asks)
 
 
 class _Request:
@@ -461,11 +463,12 @@ class Engine:
         delta = request.out.add(token, lp)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
+        logprobs = None if lp is None else [lp]
         if not request.out.finished:
-            return RequestOutput(seq.id, [token], delta)
+            return RequestOutput(seq.id, [token], delta, logprobs=logprobs)
         self.scheduler.release(seq)
         del self._requests[seq.id]
-        return RequestOutput(seq.id, [token], delta, True, request.result())
+        return RequestOutput(seq.id, [token], delta, True, request.result(), logprobs)
 
     def _beam_step(self) -> list[RequestOutput]:
         """One chunk of search steps of every running beam request; their finished results."""
