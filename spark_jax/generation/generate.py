@@ -61,13 +61,17 @@ def cache_len(n: int) -> int:
 def check_prompts(
     model: Any, prompts: Sequence[Sequence[int]], params: list[SamplingParams]
 ) -> list[list[int]]:
-    """Every prompt checked (``request.check_prompt``) before any device work."""
+    """Every prompt checked (``request.check_prompt``) before any device work; an
+    encoder-decoder's sources as its encoder reads them (``source_tokens``)."""
     c = model.config
     limit = None if c.is_encoder_decoder else c.max_position_embeddings
-    return [
+    checked = [
         check_prompt(prompt, c.vocab_size, limit, p.max_tokens, what=f"prompt {i}")
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
     ]
+    if c.is_encoder_decoder:
+        return [model.runner.source_tokens(s, p) for s, p in zip(checked, params, strict=True)]
+    return checked
 
 
 def stream_batch(

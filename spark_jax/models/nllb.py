@@ -749,21 +749,47 @@ class NllbRunner:
             )
         return self.language_id(code)
 
-    def check_source(self, prompt: Sequence[int], request: Any = None) -> None:
-        """ValueError for a source the model cannot translate."""
-        if len(prompt) == 0:
+    @property
+    def language_ids(self) -> frozenset[int]:
+        """The token ids of every language code this runner's tokenizer knows."""
+        if self.tokenizer is None:
+            return frozenset()
+        if isinstance(self.tokenizer, Mapping):
+            return frozenset(int(i) for i in self.tokenizer.values())
+        return frozenset(self.tokenizer.lang_code_to_id(c) for c in self.tokenizer.language_codes)
+
+    def source_tokens(self, prompt: Sequence[int], request: Any = None) -> list[int]:
+        """The source as the encoder reads it, ``[src_lang] tokens </s>``; ValueError for a
+        source the model cannot translate.
+
+        A raw source (text tokens only) of a request naming ``src_lang`` gets the language
+        token and ``</s>`` around it, as HF's ``NllbTokenizer`` builds it; a source that
+        already starts with a language token is used as is (it must be ``src_lang``'s when the
+        request names one), and so is a raw source without ``src_lang``.
+        """
+        ids = [int(t) for t in prompt]
+        if not ids:
             raise ValueError("the source is empty; give at least one token ([src_lang] ... </s>).")
-        if len(prompt) > self.max_source_len:
+        src_lang = None if request is None else request.src_lang
+        if src_lang is not None:
+            language = self.language_id(src_lang)
+            if ids[0] not in self.language_ids:
+                ids = [language, *ids, self.config.eos_token_id]
+            elif ids[0] != language:
+                raise ValueError(
+                    f"the source starts with another language's token than {src_lang!r}; drop "
+                    "that token (the source is then built from src_lang) or fix src_lang."
+                )
+        if len(ids) > self.max_source_len:
             raise ValueError(
-                f"the source has {len(prompt)} tokens but this model's positions allow at most "
+                f"the source has {len(ids)} tokens but this model's positions allow at most "
                 f"{self.max_source_len} (max_position_embeddings - 2); split the text."
             )
-        src_lang = None if request is None else request.src_lang
-        if src_lang is not None and prompt[0] != self.language_id(src_lang):
-            raise ValueError(
-                f"the source does not start with the {src_lang!r} token; NLLB sources are "
-                "[src_lang] tokens </s> (Tokenizer.encode_source builds them)."
-            )
+        return ids
+
+    def check_source(self, prompt: Sequence[int], request: Any = None) -> None:
+        """ValueError for a source the model cannot translate (see ``source_tokens``)."""
+        self.source_tokens(prompt, request)
 
     # -- the Runner protocol ----------------------------------------------------------------
 
@@ -809,8 +835,8 @@ class NllbRunner:
     def _prefill_args(self, state, slots, prompts, requests, adapters) -> tuple:
         """Validates every request, then pads the batch: the arguments of ``prefill``."""
         requests = list(requests) or [None] * len(prompts)
-        for prompt, request in zip(prompts, requests, strict=True):
-            self.check_source(prompt, request)
+        prompts = [self.source_tokens(p, r) for p, r in zip(prompts, requests, strict=True)]
+        for prompt in prompts:
             if len(prompt) > state.max_source_len:
                 raise ValueError(
                     f"the source has {len(prompt)} tokens but the cache holds sources of at "

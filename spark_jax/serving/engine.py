@@ -52,6 +52,7 @@ from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_reques
 from spark_jax.generation.request import (
     GenerationResult,
     RequestState,
+    TokenLogprobs,
     check_prompt,
     params_list,
     token_logprobs,
@@ -91,16 +92,18 @@ class RequestOutput:
     text_delta: str
     finished: bool = False
     result: GenerationResult | BeamResult | None = None  # set when finished
+    logprobs: list[TokenLogprobs] | None = None  # the new tokens' (when the request asks)
 
 
 @dataclass(frozen=True)
 class EngineMetrics:
     """A snapshot of what the engine holds and has done (for a server's metrics)."""
 
-    num_running: int  # requests holding a slot
-    num_waiting: int  # requests queued (beam requests included)
-    pages_used: int  # KV pages held by running sequences (0 for a dense cache)
+    num_running: int  # sequences holding a cache row (beam searches included)
+    num_waiting: int  # requests queued for a row (beam requests included)
+    pages_in_use: int  # KV pages held by running sequences (0 for a dense cache)
     pages_free: int  # pages free or evictable
+    num_pages: int  # the page pool's size (0 for a dense cache)
     pages_cached: int  # pages registered in the prefix cache
     prefix_cache_hit_rate: float | None  # of the full prompt pages looked up; None when off
     prompt_tokens: int  # tokens computed by prefills (a preempted row's output included)
@@ -448,7 +451,7 @@ class Engine:
     def _check_source_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """An encoder-decoder source: the runner's checks, then this engine's cache sizes."""
         prompt = check_prompt(prompt_ids, self.model.config.vocab_size, what="the source")
-        self.runner.check_source(prompt, params)
+        prompt = self.runner.source_tokens(prompt, params)
         self.runner.target_language_id(params)
         if len(prompt) > self.max_source_len:
             raise ValueError(
@@ -470,7 +473,7 @@ class Engine:
                 "beam search needs an encoder-decoder model (NLLB / M2M100); this engine "
                 "serves a decoder-only model."
             )
-        (adapter,) = check_beam_requests(self.runner, [request])
+        ((request, adapter),) = check_beam_requests(self.runner, [request])
         if len(request.prompt_tokens) > self.max_source_len:
             raise ValueError(
                 f"the source has {len(request.prompt_tokens)} tokens, past this engine's "
@@ -521,18 +524,19 @@ class Engine:
         return bool(self._requests or self._pending) or beams
 
     def metrics(self) -> EngineMetrics:
-        """What the engine holds now and has done so far."""
+        """What the engine holds now and has done so far (read-only)."""
         with self._lock:
             pages = self.scheduler.pages
-            waiting = len(self.scheduler.waiting)
-            if self._beam_requests is not None:
-                waiting += len(self.executor.beams.pending)
+            lane = self.beams
+            searching = 0 if lane is None else len(lane.searching) + len(lane.finished)
+            pending = 0 if lane is None else len(lane.pending)
             caching = pages is not None and pages.enable_prefix_caching
             return EngineMetrics(
-                num_running=self.scheduler.slots_in_use,
-                num_waiting=waiting,
-                pages_used=0 if pages is None else pages.in_use,
+                num_running=self.scheduler.slots_in_use + searching,
+                num_waiting=len(self.scheduler.waiting) + pending,
+                pages_in_use=0 if pages is None else pages.in_use,
                 pages_free=0 if pages is None else pages.num_free,
+                num_pages=0 if pages is None else pages.num_pages,
                 pages_cached=pages.num_cached if caching else 0,
                 prefix_cache_hit_rate=pages.hit_rate if caching else None,
                 prompt_tokens=self.scheduler.num_prefilled_tokens,
@@ -589,11 +593,12 @@ class Engine:
         self._generated += 1
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
+        logprobs = None if lp is None else [lp]
         if not request.out.finished:
-            return RequestOutput(seq.id, [token], delta)
+            return RequestOutput(seq.id, [token], delta, logprobs=logprobs)
         self.scheduler.remove(seq)  # waiting if preempted while its last token was in flight
         del self._requests[seq.id]
-        return RequestOutput(seq.id, [token], delta, True, request.result())
+        return RequestOutput(seq.id, [token], delta, True, request.result(), logprobs)
 
     def _beam_step(self) -> list[RequestOutput]:
         """One chunk of search steps of every running beam request; their finished results."""
