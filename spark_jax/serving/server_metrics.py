@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (vLLM's names, ``spark_jax:`` prefix), one registry per app.
 
-Gauges read the engine's last snapshot (``AsyncEngine.stats``) when scraped; counters and
-histograms are fed as requests finish. The engine has no prefix cache, so no hit rate.
+Gauges read the engine's last snapshot (``AsyncEngine.stats``, an ``EngineMetrics``) when
+scraped; counters and histograms are fed as requests finish. The prefix cache's hit rate is
+exported when the engine caches prefixes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class ServerMetrics:
               lambda: engine.stats.pages_in_use)  # fmt: skip
         gauge("spark_jax:kv_pages_total", "KV-cache pages in the pool.",
               lambda: engine.stats.num_pages)  # fmt: skip
+        if engine.stats.prefix_cache_hit_rate is not None:
+            gauge("spark_jax:prefix_cache_hit_rate", "Full prompt pages found in the cache.",
+                  lambda: engine.stats.prefix_cache_hit_rate)  # fmt: skip
+            gauge("spark_jax:kv_pages_cached", "KV-cache pages held by the prefix cache.",
+                  lambda: engine.stats.pages_cached)  # fmt: skip
         self.prompt_tokens = Counter(
             "spark_jax:prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
