@@ -21,7 +21,7 @@ from spark_jax.generation.speculative import (
 from spark_jax.generation.step import LoopOptions
 from spark_jax.model import Model, load
 from spark_jax.ops.options import KernelOptions
-from spark_jax.ops.sampling import SamplingParams
+from spark_jax.ops.sampling import GuidedDecodingParams, SamplingParams
 from spark_jax.serving.engine import Engine, RequestOutput
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "generate_beam",
     "generate_speculative",
     "GenerationResult",
+    "GuidedDecodingParams",
     "KernelOptions",
     "LayerSkipDrafter",
     "LoopOptions",
