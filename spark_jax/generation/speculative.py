@@ -550,6 +550,8 @@ def generate_speculative(
     params = SamplingParams(temperature=0.0) if params is None else params
     if params.adapter is not None:
         raise ValueError("speculative decoding does not apply LoRA adapters; use generate.")
+    if params.guided is not None:
+        raise ValueError("speculative decoding does not apply guided decoding; use generate.")
     (prompt,) = check_prompts(model, [prompt_ids], [params])
     drafter = PromptLookupDrafter() if drafter is None else drafter
     slots = model.slot_pool.acquire(1)
