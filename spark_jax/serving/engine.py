@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_requests
+from spark_jax.generation.guided import GuidedRow, guided_row
 from spark_jax.generation.request import (
     GenerationResult,
     RequestState,
@@ -289,7 +290,7 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues a request; returns its id. Bad requests are refused here, before any work."""
         params = SamplingParams(temperature=0.0) if params is None else params
-        prompt = self._check(prompt_ids, params)
+        prompt, guide = self._check(prompt_ids, params)
         adapter = adapter_slot(self.runner.lora_pool, params.adapter)  # unknown names fail here
         if params.seed is None:  # drawn once, so the draws never change under preemption
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -297,18 +298,21 @@ class Engine:
             request_id = self._next_id
             self._next_id += 1
             out = RequestState(
-                request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer
+                request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer, guide
             )
-            seq = SequenceState(request_id, prompt, out.tokens, params, adapter)
+            seq = SequenceState(request_id, prompt, out.tokens, params, adapter, guide)
             self._requests[request_id] = _Request(seq, out)
             self.scheduler.add(seq)
         return request_id
 
-    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt as ints; ValueError for a request this engine can never run."""
+    def _check(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> tuple[list[int], GuidedRow | None]:
+        """The prompt as ints and its grammar's matcher; ValueError for a request this engine
+        can never run."""
         prompt = self._check_limits(prompt_ids, params)
         check_sampler_width(params, self.model.eos_token_ids)
-        return prompt
+        return prompt, guided_row(self.model, params)
 
     def _check_prompt_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """A decoder-only prompt: its output must fit max_model_len and the page pool."""

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
+from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling, pick
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
@@ -110,9 +111,10 @@ def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) ->
         )
 
 
-# Every serving step samples every row with the full sampler and its logprob fields, so one
-# program serves any mix of requests (the fields are read back only when a row asks).
-RULE = Sampling(greedy=False, want_logprobs=True)
+# Every serving step samples every row with the full sampler, its logprob fields and a token
+# mask, so one program serves any mix of requests (the fields are read back only when a row
+# asks; a step without a guided row reuses one all-ones mask).
+RULE = Sampling(greedy=False, want_logprobs=True, guided=True)
 
 
 class SlotPicker:
@@ -133,6 +135,7 @@ class SlotPicker:
         self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
         self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
         self.zero_logits = commit(np.zeros((num_slots, vocab_size), np.float32))
+        self.free_mask = upload(np.full((num_slots, bitmask_width(vocab_size)), -1, np.int32))
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
         self._rows: SampleRows | None = None
 
@@ -185,9 +188,21 @@ class SlotPicker:
         self, logits: jax.Array, rows: list[SequenceState], slots: Sequence[SequenceState | None]
     ) -> Chunk:
         """The next tokens of ``rows`` from ``logits`` [slots, V] (their prefill's)."""
-        carry, record = pick(RULE, logits, self.carry(rows), self.rows(slots))
+        carry, record = pick(RULE, logits, self.carry(rows), self.masked(rows, slots))
         self.counts = carry.picker
         return record
+
+    def masked(
+        self, rows: list[SequenceState], slots: Sequence[SequenceState | None]
+    ) -> SampleRows:
+        """Every slot's settings with the masks of the guided ``rows`` (all ones elsewhere)."""
+        guides = [None] * self.num_slots
+        for seq in rows:
+            guides[seq.slot] = seq.guide
+        if not any(guides):
+            return dataclasses.replace(self.rows(slots), allowed=self.free_mask)
+        allowed = upload(fill_bitmask(guides, self.vocab_size))
+        return dataclasses.replace(self.rows(slots), allowed=allowed)
 
     def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
         return SamplerBatch.from_params(

@@ -48,8 +48,8 @@ class SequenceState:
     """One request's place in the schedule: waiting -> running (prefilling, decoding) -> done.
 
     ``generated`` is the request's output token list (shared with its ``RequestState``, which
-    appends to it); ``params`` and ``adapter`` ride along for the executor, the policy never
-    reads them.
+    appends to it); ``params``, ``adapter`` and ``guide`` (its ``guided.GuidedRow``, which the
+    ``RequestState`` advances) ride along for the executor, the policy never reads them.
     """
 
     def __init__(
@@ -59,12 +59,14 @@ class SequenceState:
         generated: list[int] | None = None,
         params: Any = None,
         adapter: int = -1,
+        guide: Any = None,
     ):
         self.id = seq_id
         self.prompt = list(prompt)
         self.generated = [] if generated is None else generated
         self.params = params
         self.adapter = adapter
+        self.guide = guide
         self.slot: int | None = None
         self.pages: list[int] = []
         self.num_computed = 0  # tokens whose keys are in the cache
