@@ -1,6 +1,6 @@
 """Runs one benchmark suite: ``python -m benchmarks <suite> [--tiny] [--out FILE] [--against DIR]``.
 
-Suites: decode, prefill, attention, serving, nllb, lora, speculative, startup. Each measures
+Suites: decode, prefill, attention, serving, nllb, lora, speculative, startup, guided. Each measures
 its figures and its peer in the same run, then prints one JSON line (suite, device, date,
 figures, peers, ratios, notes) and a table; the line is also written to ``--out`` (default
 ``benchmarks/results/<suite>-<time>.json``) and to ``$OUT/<suite>.json`` when $OUT is set.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 SUITES = ("decode", "prefill", "attention", "serving", "nllb", "lora", "speculative", "startup")
 PEERS = ("gpt_fast",)  # peer-only modules: run by a suite through --peer-json, never alone
+SUITES += ("guided",)
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -22,7 +22,7 @@ from spark_jax.generation.step import LoopOptions
 from spark_jax.model import Model, load
 from spark_jax.models.common import ForwardOutput
 from spark_jax.ops.options import KernelOptions
-from spark_jax.ops.sampling import SamplingParams
+from spark_jax.ops.sampling import GuidedDecodingParams, SamplingParams
 from spark_jax.serving.engine import Engine, RequestOutput
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "generate_beam",
     "generate_speculative",
     "GenerationResult",
+    "GuidedDecodingParams",
     "KernelOptions",
     "LayerSkipDrafter",
     "LoopOptions",

@@ -55,3 +55,12 @@ def test_nllb(tmp_path: Path) -> None:
     assert {"greedy_sent_s", "beam_sent_s"} <= line["figures"].keys()
     assert line["ratios"]["greedy_over_hf"] > 0
     assert line["details"]["greedy_agreement_with_hf"]["exact"] > 0
+
+
+def test_guided(tmp_path: Path) -> None:
+    line = run_suite("guided", tmp_path)
+    assert {"guided_ms_step", "host_mask_ms_step"} <= line["figures"].keys()
+    assert line["peers"]["free_ms_step"] > 0 and "guided_overhead" in line["ratios"]
+    details = line["details"]
+    assert details["guided_rows_constrained_to_the_end"] == details["guided_rows"]
+    assert not line["notes"]

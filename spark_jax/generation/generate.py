@@ -16,6 +16,12 @@ mask is sent only when a stop string ended a row (the device retires every other
 itself), one transfer brings a chunk's ids, and without a streaming consumer each row takes a
 chunk's tokens at once (no per-token event objects; array stop checks when the row has no
 text to decode).
+
+A batch with a guided row (``SamplingParams.guided``) runs one step per host sync, in the
+step's two halves: the forward of step n+1 is dispatched, then the host reads step n's
+tokens, advances the rows' grammars and fills their masks (``generation.guided``) while the
+forward runs, then dispatches the pick with the masks. Free rows of that batch get all-ones
+masks, which leave their tokens as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from spark_jax.generation.guided import GuidedRow, fill_bitmask, guided_row
 from spark_jax.generation.request import (
     GenerationResult,
     RequestState,
@@ -43,6 +50,7 @@ from spark_jax.generation.step import (
     LoopOptions,
     SampleRows,
     Sampling,
+    forward,
     pick,
     run_chunk,
 )
@@ -104,9 +112,10 @@ def _generate_rows(
     plist = params_list(params, len(prompts))
     prompts = check_prompts(model, prompts, plist)
     adapters = [adapter_slot(model.lora_pool, p.adapter) for p in plist]  # unknown names fail
+    guides = [guided_row(model, p) for p in plist]  # so do grammars the tokenizer cannot serve
     slots = model.slot_pool.acquire(len(prompts))
     try:
-        yield from _run_loop(model, prompts, plist, adapters, results, loop, stream)
+        yield from _run_loop(model, prompts, plist, adapters, guides, results, loop, stream)
     finally:
         model.slot_pool.release(slots)
 
@@ -118,15 +127,22 @@ class _Batch(NamedTuple):
     lora: Any  # the runner's adapter input, or None
     rows: SampleRows
     rule: Sampling
+    guides: list[GuidedRow | None]  # each row's grammar, None on free rows
+    vocab_size: int
+
+    def masked(self) -> SampleRows:
+        """The rows with each guided row's mask for its next token (after its last token)."""
+        bitmask = fill_bitmask(self.guides, self.vocab_size)
+        return dataclasses.replace(self.rows, allowed=jax.device_put(bitmask))
 
 
-def _start(model, prompts, plist, adapters) -> tuple[_Batch, Carry, Chunk]:
+def _start(model, prompts, plist, adapters, guides) -> tuple[_Batch, Carry, Chunk]:
     """Prefill every prompt and pick each first token: the batch, its carry, its first chunk."""
     runner = model.runner
     n = len(prompts)
     requests = [
-        RequestState(i, p, sp, model.eos_token_ids, model.tokenizer)
-        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))
+        RequestState(i, p, sp, model.eos_token_ids, model.tokenizer, g)
+        for i, (p, sp, g) in enumerate(zip(prompts, plist, guides, strict=True))
     ]
     max_len = cache_len(max(len(p) + sp.max_tokens for p, sp in zip(prompts, plist, strict=True)))
     state = runner.init_state(n, max_len, max(len(p) for p in prompts))
@@ -137,6 +153,7 @@ def _start(model, prompts, plist, adapters) -> tuple[_Batch, Carry, Chunk]:
     rule = Sampling(
         greedy=all(p.plain_greedy for p in plist),
         want_logprobs=any(p.logprobs is not None for p in plist),
+        guided=any(g is not None for g in guides),
     )
     # Plain greedy reads neither the prompt mask nor the output counts: [B, 1] stand-ins spare
     # a [B, V] host array and its transfer (8 MB at NLLB's vocab and B=32) on every call.
@@ -160,36 +177,42 @@ def _start(model, prompts, plist, adapters) -> tuple[_Batch, Carry, Chunk]:
     rows = SampleRows(
         SamplerBatch.from_params(plist, vocab, model.eos_token_ids), prompt_mask, max_tokens
     )
-    batch = _Batch(requests, runner.lora_input(adapters) if lora_kw else None, rows, rule)
+    lora = runner.lora_input(adapters) if lora_kw else None
+    batch = _Batch(requests, lora, rows, rule, guides, vocab)
+    if rule.guided:
+        rows = batch.masked()
     carry, chunk = pick(rule, logits, Carry(state, tokens, active, generated, counts), rows)
     return batch, carry, chunk
 
 
-def _run_loop(model, prompts, plist, adapters, results, loop: LoopOptions, stream: bool):
+def _run_loop(model, prompts, plist, adapters, guides, results, loop: LoopOptions, stream: bool):
     t0 = time.perf_counter()
     runner = model.runner
-    batch, carry, chunk = _start(model, prompts, plist, adapters)
+    batch, carry, chunk = _start(model, prompts, plist, adapters, guides)
     requests = batch.requests
     limits = RowLimits.of(requests)
     host_done = np.zeros(len(prompts), bool)
     sent_done = np.zeros(len(prompts), bool)  # rows whose end the device was told of
     timings: dict[str, float] = {}
     syncs = 0
+    guided = batch.rule.guided
+    steps_per_sync = 1 if guided else loop.steps_per_sync  # a mask needs the last token
     chunk_steps = 1  # decode steps in ``chunk`` (the first holds the prefill's pick)
     while True:
-        # Dispatch the next chunk of steps before reading this one: the device decodes while
-        # the host detokenizes and checks stops. Not when every running row reaches its
-        # max_tokens within this chunk: the next one would run no row.
+        # Dispatch the next chunk of steps (a guided batch: the next step's forward) before
+        # reading this one: the device decodes while the host detokenizes and checks stops.
+        # Not when every running row reaches its max_tokens within this chunk: the next one
+        # would run no row.
         ahead = any(
             not host_done[r.index] and len(r.tokens) + chunk_steps < r.params.max_tokens
             for r in requests
         )
-        if ahead:
-            stopped = host_done & ~sent_done
-            if stopped.any():  # a stop string ended rows the device still runs
-                active = carry.active & jax.device_put(~host_done)
-                carry = dataclasses.replace(carry, active=active)
-                sent_done |= host_done
+        if ahead and guided:
+            logits, carry = forward(
+                runner.decode_fn, batch.rule, runner.params, batch.lora, carry, batch.rows
+            )
+        elif ahead:
+            carry, sent_done = _retire_on_device(carry, host_done, sent_done)
             carry, next_chunk = run_chunk(
                 runner.decode_fn,
                 batch.rule,
@@ -197,7 +220,7 @@ def _run_loop(model, prompts, plist, adapters, results, loop: LoopOptions, strea
                 batch.lora,
                 carry,
                 batch.rows,
-                num_steps=loop.steps_per_sync,
+                num_steps=steps_per_sync,
                 exit_early=loop.exit_early,
             )
         host = _to_host(chunk, batch.rule.want_logprobs)
@@ -213,16 +236,30 @@ def _run_loop(model, prompts, plist, adapters, results, loop: LoopOptions, strea
         else:
             _absorb(host, requests, host_done, limits)
         # Rows the device retired itself (stop ids, max_tokens) need no message.
-        sent_done |= host_done & ~np.array([r.stopped_by_string for r in requests])
+        sent_done |= host_done & ~np.array([r.stopped_on_host for r in requests])
         if host_done.all():
             break
         if not ahead:
             raise RuntimeError("rows outlived their max_tokens on the host; this is a bug.")
-        chunk, chunk_steps = next_chunk, loop.steps_per_sync
+        if guided:  # the pick of the step whose forward runs, with the masks its tokens need
+            carry, sent_done = _retire_on_device(carry, host_done, sent_done)
+            carry, next_chunk = pick(batch.rule, logits, carry, batch.masked())
+        chunk, chunk_steps = next_chunk, steps_per_sync
     timings["total_s"] = time.perf_counter() - t0
     timings["host_syncs"] = syncs
     if results is not None:
         results.extend(r.result(timings) for r in requests)
+
+
+def _retire_on_device(
+    carry: Carry, host_done: np.ndarray, sent_done: np.ndarray
+) -> tuple[Carry, np.ndarray]:
+    """The carry with the rows the host ended on its own (a stop string, a complete grammar)
+    inactive, and those rows marked as told."""
+    if not (host_done & ~sent_done).any():
+        return carry, sent_done
+    active = carry.active & jax.device_put(~host_done)
+    return dataclasses.replace(carry, active=active), sent_done | host_done
 
 
 def _to_host(chunk: Chunk, want_logprobs: bool) -> Chunk:

@@ -4,10 +4,10 @@ Every driver (``generate`` / ``stream``, the serving engine, speculative decodin
 ``RequestState`` per sequence and feeds it the tokens the device picked; the rules live here
 once, each beside its other form:
 
-- the stop rule: ``RequestState.add`` on the host (stop ids, stop strings, max_tokens) and
-  ``device_done`` on the device (stop ids and max_tokens; stop strings need text). The
-  device's stops are a subset of the host's, so a device loop may retire rows early without
-  changing any output;
+- the stop rule: ``RequestState.add`` on the host (stop ids, stop strings, a guided row's
+  complete grammar, max_tokens) and ``device_done`` on the device (stop ids and max_tokens;
+  stop strings need text, grammars their matcher). The device's stops are a subset of the
+  host's, so a device loop may retire rows early without changing any output;
 - the prompt check (``check_prompt``, with the adapter lookup ``ops.lora.adapter_slot``) and
   the logprob record of one position (``token_logprobs``).
 """
@@ -138,7 +138,9 @@ class RequestState:
         params: SamplingParams,
         eos_token_ids: Sequence[int],
         tokenizer: Any = None,
+        guide: Any = None,
     ):
+        """``guide``: the row's ``guided.GuidedRow`` when ``params.guided`` constrains it."""
         self.index = index
         self.prompt = list(prompt)
         self.params = params
@@ -149,8 +151,10 @@ class RequestState:
         self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
         self.text = ""  # text decoded so far (before stop-string truncation)
         self.emitted = 0  # characters of text already released
+        self.guide = guide
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.stopped_on_host = False  # ended by a rule the device cannot see (see add)
         # Text that might be the start of a stop string is held back from the stream.
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
@@ -165,11 +169,17 @@ class RequestState:
             self.logprobs.append(logprobs)
         if self.detok is not None:
             self.text += self.detok.add(token)
+        if self.guide is not None:
+            self.guide.advance(token)
         counted = len(self.tokens) >= self.params.min_tokens
         if token in self.stop_ids and counted:
             self.finish("stop", token)
         elif self.params.stop and counted and self._match_stop_string():
-            pass
+            self.stopped_on_host = True
+        elif self.guide is not None and self.guide.finished:
+            # The grammar is complete: nothing but EOS could follow, so end here, a step early.
+            self.finish("error" if self.guide.error else "stop")
+            self.stopped_on_host = True
         elif len(self.tokens) >= self.params.max_tokens:
             self.finish("length", None)
         return self._release()
@@ -184,13 +194,13 @@ class RequestState:
 
     @property
     def plain(self) -> bool:
-        """No text, stop strings or logprobs: its tokens can be checked as arrays."""
-        return self.detok is None and not self.params.stop and self.logprobs is None
-
-    @property
-    def stopped_by_string(self) -> bool:
-        """Ended by a stop string: the one stop the device cannot see."""
-        return isinstance(self.stop_reason, str)
+        """No text, stop strings, grammar or logprobs: its tokens can be checked as arrays."""
+        return (
+            self.detok is None
+            and not self.params.stop
+            and self.guide is None
+            and self.logprobs is None
+        )
 
     def finish(self, reason: str, stop: int | str | None = None) -> None:
         """Ends the request ("stop", "length", "abort", "error")."""

@@ -510,6 +510,8 @@ def generate_speculative(
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}.")
     params = SamplingParams(temperature=0.0) if params is None else params
+    if params.guided is not None:
+        raise ValueError("speculative decoding does not apply guided decoding; use generate.")
     (prompt,) = check_prompts(model, [prompt_ids], [params])
     adapter = adapter_slot(model.lora_pool, params.adapter)  # unknown names fail here
     if drafter is None or isinstance(drafter, str):

@@ -14,7 +14,9 @@ step to step:
 
 ``run_chunk`` runs up to ``num_steps`` steps in one device call (a jitted ``lax.while_loop``,
 or the step alone for one); ``pick`` runs a rule alone on logits the caller already has (a
-prefill's). Rules are frozen dataclasses:
+prefill's); ``forward`` runs the model's half of a step alone, for a driver whose host must
+act between the two halves (guided rows: their masks need the last tokens, and are filled
+while the forward runs). Rules are frozen dataclasses:
 static jit arguments, so a rule's settings shape its program and equal rules share one.
 """
 
@@ -31,7 +33,14 @@ import jax.numpy as jnp
 
 from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.generation.request import device_done
-from spark_jax.ops.sampling import MAX_LOGPROBS, SampleOutput, SamplerBatch, count_tokens, sample
+from spark_jax.ops.sampling import (
+    MAX_LOGPROBS,
+    SampleOutput,
+    SamplerBatch,
+    apply_token_bitmask,
+    count_tokens,
+    sample,
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,9 @@ class SampleRows:
     sampler: SamplerBatch
     prompt_mask: jax.Array  # bool[B, V] (or [B, 1] when every row is plain greedy)
     max_tokens: jax.Array  # int32[B]
+    # int32[B, ceil(V/32)]: the tokens each row may pick next (guided decoding), llguidance's
+    # packed bitmask, all ones on free rows; None unless the rule is guided. A step's own.
+    allowed: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -122,11 +134,14 @@ class Sampling:
     greedy: every row is plain argmax: the sampler is skipped and no token counts are kept.
     want_logprobs: fill the record's logprob fields (each is a kernel more per step, and a
         small model's step is a few hundred kernels at launch latency).
+    guided: the rows' ``allowed`` bitmask masks the logits first (vLLM's order), greedy or
+        not; a row of all ones is left as it is.
     The picker state is the output token counts int32[B, V] (penalties).
     """
 
     greedy: bool = False
     want_logprobs: bool = False
+    guided: bool = False
 
     def forward(self, fn: Callable, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
         return decode_forward(fn, params, carry, lora)
@@ -146,6 +161,8 @@ class Sampling:
     def advance(
         self, logits: jax.Array, carry: Carry, rows: SampleRows, record: Chunk, i: jax.Array
     ) -> tuple[Carry, Chunk]:
+        if self.guided:
+            logits = apply_token_bitmask(logits, rows.allowed)
         if self.greedy:
             picked = _argmax_output(logits)
             counts = carry.picker
@@ -256,6 +273,16 @@ def one_step(
     """One step, no loop around it (see ``run_chunk``): the rows ``go_on`` would stop are
     inactive, so the step leaves them as they are."""
     return step(fn, rule, params, lora, carry, rows, rule.empty_record(carry, rows, 1), 0)
+
+
+@partial(jax.jit, static_argnames=("fn", "rule"), donate_argnames=("carry",))
+def forward(
+    fn: Callable, rule: Rule, params: Any, lora: Any, carry: Carry, rows: Any
+) -> tuple[jax.Array, Carry]:
+    """The model's half of a step alone: (logits, the carry with the new cache); ``pick`` on
+    them is the other half."""
+    logits, state = rule.forward(fn, params, carry, rows, lora)
+    return logits, dataclasses.replace(carry, state=state)
 
 
 @partial(jax.jit, static_argnames=("rule",), donate_argnames=("carry",))

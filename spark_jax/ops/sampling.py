@@ -11,6 +11,12 @@ Every other knob is an array value, so changing it never recompiles.
     logit_bias -> repetition penalty -> presence/frequency -> min_tokens masking
     -> temperature -> top-k -> top-p -> min-p -> draw
 
+Guided decoding (``GuidedDecodingParams``: a JSON schema, regex, choice or grammar) comes
+before all of them, as in vLLM: ``apply_token_bitmask`` sends the tokens a row's grammar
+forbids to -inf (the ``Sampling`` rule of ``generation.step`` applies it, greedy rows
+included). The mask is an array input, llguidance's packed bitmask, so constrained and free
+rows share one program; the matchers that fill it live on the host (``generation.guided``).
+
 Randomness of a row depends only on (row seed, step index): the row's key is folded with
 `num_generated`, so a seeded request draws the same tokens alone or anywhere in any batch.
 Temperature-0 rows take the argmax of the penalized logits, which is bitwise plain argmax
@@ -22,6 +28,7 @@ greedy rows use temperature 1 for that distribution.
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 import secrets
 from collections.abc import Mapping, Sequence
@@ -52,6 +59,98 @@ def _check_number(name: str, value: Any, integral: bool = False) -> None:
         raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
+# ------------------------------------------------------------------------ guided decoding
+
+
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedDecodingParams:
+    """A constraint on a request's output (vLLM's ``GuidedDecodingParams``); exactly one of:
+
+    json: a JSON schema (a dict or its JSON text): the output is JSON valid against it.
+    regex: the whole output matches this regular expression (Rust ``regex`` syntax).
+    choice: the output is one of these strings.
+    grammar: a context-free grammar in Lark syntax (llguidance's dialect) or GBNF.
+    json_object: the output is a JSON object, any (OpenAI's ``response_format`` json_object).
+
+    disable_any_whitespace: JSON without whitespace between its tokens; by default any run of
+        JSON whitespace may go there (a small model can spend its max_tokens on it).
+    whitespace_pattern: the regex such whitespace must match instead (``[ ]?`` bounds it).
+
+    The constraint is compiled once, here, to an llguidance grammar (``spec``), so an invalid
+    schema, regex or grammar is refused at construction, never mid-generation.
+    """
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    spec: str = dataclasses.field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        given = [k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"guided decoding takes exactly one of {', '.join(_GUIDED_KINDS)}; got "
+                f"{', '.join(given) or 'none'}."
+            )
+        (kind,) = given
+        if self.json is not None and not isinstance(self.json, str | Mapping):
+            raise TypeError(f"guided json must be a schema dict or JSON text, got {self.json!r}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"guided {name} must be a string, got {value!r}")
+        if self.choice is not None:
+            choices = () if isinstance(self.choice, str) else tuple(self.choice)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError(
+                    f"guided choice must be a list of non-empty strings, got {self.choice!r}"
+                )
+            object.__setattr__(self, "choice", choices)
+        object.__setattr__(self, "json_object", bool(self.json_object))
+        object.__setattr__(self, "disable_any_whitespace", bool(self.disable_any_whitespace))
+        object.__setattr__(self, "spec", self._compile(kind))
+
+    def _compile(self, kind: str) -> str:
+        """The llguidance grammar of the constraint; ValueError naming ``kind`` if invalid."""
+        # Imported here: only guided requests need llguidance, and the rest of the engine runs
+        # where it is not installed.
+        import llguidance
+
+        matcher = llguidance.LLMatcher
+        if kind in ("json", "json_object"):
+            options: dict[str, Any] = {}
+            if self.disable_any_whitespace:
+                options["whitespace_flexible"] = False
+            if self.whitespace_pattern is not None:
+                options["whitespace_pattern"] = self.whitespace_pattern
+            schema = {"type": "object"} if kind == "json_object" else self.json
+            try:
+                spec = matcher.grammar_from_json_schema(schema, overrides=options or None)
+            except ValueError as error:  # not JSON at all
+                raise ValueError(f"guided json is not a JSON schema: {error}") from None
+        elif kind == "regex":
+            spec = matcher.grammar_from_regex(self.regex)
+        elif kind == "choice":
+            spec = llguidance.grammar_from("choice", json.dumps(list(self.choice)))
+        else:
+            try:
+                spec = llguidance.grammar_from("grammar", self.grammar)
+            except ValueError as error:  # GBNF that does not convert to Lark
+                raise ValueError(f"guided grammar is invalid: {error}") from None
+        is_error, messages = matcher.validate_grammar_with_warnings(spec)
+        if is_error:
+            what = "json schema" if kind == "json" else kind
+            raise ValueError(f"guided {what} is invalid: {messages[0].strip()}")
+        return spec
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of one request (vLLM names and meanings).
@@ -72,6 +171,7 @@ class SamplingParams:
     max_tokens: the most tokens to generate.
     logprobs: how many top logprobs to return per token (None: only sample).
     adapter, src_lang, tgt_lang: LoRA adapter name and NLLB languages, carried for the engine.
+    guided: a constraint on the output (JSON schema, regex, choice, grammar), or None.
     """
 
     temperature: float = 1.0
@@ -92,6 +192,7 @@ class SamplingParams:
     adapter: str | None = None
     src_lang: str | None = None
     tgt_lang: str | None = None
+    guided: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         # Canonical types first (frozen, hence object.__setattr__), so equal requests compare
@@ -161,6 +262,8 @@ class SamplingParams:
             raise _range_error("min_tokens", self.min_tokens, f"[0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise _range_error("logprobs", self.logprobs, f"[0, {MAX_LOGPROBS}] or None")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecodingParams):
+            raise TypeError(f"guided must be a GuidedDecodingParams, got {self.guided!r}")
 
     @property
     def greedy(self) -> bool:
@@ -389,6 +492,20 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     probs = jax.nn.softmax(logits, axis=-1)
     top_prob = jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < _rows(min_p) * top_prob, -jnp.inf, logits)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """llguidance's ``apply_token_bitmask``: tokens whose bit is 0 get -inf.
+
+    bitmask: int32[B, ceil(V/32)], llguidance's layout: bit j of word i allows token
+    32 * i + j; a row of all ones (-1) is no constraint, and leaves its logits as they are.
+    """
+    num_rows, vocab = logits.shape
+    if bitmask.shape != (num_rows, -(-vocab // 32)):
+        raise ValueError(f"bitmask {bitmask.shape} does not fit logits {logits.shape}")
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(num_rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _filter_top_k_top_p(logits: jax.Array, batch: SamplerBatch) -> jax.Array:

@@ -49,6 +49,7 @@ import jax
 import numpy as np
 
 from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_requests
+from spark_jax.generation.guided import GuidedRow, guided_row
 from spark_jax.generation.request import (
     GenerationResult,
     RequestState,
@@ -407,7 +408,7 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues a request; returns its id. Bad requests are refused here, before any work."""
         params = SamplingParams(temperature=0.0) if params is None else params
-        prompt = self._check(prompt_ids, params)
+        prompt, guide = self._check(prompt_ids, params)
         adapter = adapter_slot(self.runner.lora_pool, params.adapter)  # unknown names fail here
         if params.seed is None:  # drawn once, so the draws never change under preemption
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -415,20 +416,24 @@ class Engine:
             request_id = self._next_id
             self._next_id += 1
             out = RequestState(
-                request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer
+                request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer, guide
             )
             seq = SequenceState(
-                request_id, prompt, out.tokens, params, adapter, params.max_tokens, params.adapter
-            )
+                request_id, prompt, out.tokens, params, adapter, params.max_tokens,
+                params.adapter, guide,
+            )  # fmt: skip
             self._requests[request_id] = _Request(seq, out)
             self.scheduler.add(seq)
         return request_id
 
-    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt as ints; ValueError for a request this engine can never run."""
+    def _check(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> tuple[list[int], GuidedRow | None]:
+        """The prompt as ints and its grammar's matcher; ValueError for a request this engine
+        can never run."""
         prompt = self._check_limits(prompt_ids, params)
         check_sampler_width(params, self.model.eos_token_ids)
-        return prompt
+        return prompt, guided_row(self.model, params)
 
     def _check_prompt_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """A decoder-only prompt: its output must fit max_model_len and the page pool."""
@@ -559,14 +564,20 @@ class Engine:
             return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """Dispatches this step, then reads the one before (which ran meanwhile)."""
+        """Dispatches this step, then reads the one before (which ran meanwhile). A guided
+        row's next token mask needs its last token: with one in flight, that step is read
+        first, so guided rows take one step per read (free rows in the batch too)."""
+        outputs: list[RequestOutput] = []
+        if any(s.guide is not None and s.in_flight for s in self.scheduler.running()):
+            previous, self._in_flight = self._in_flight, []
+            outputs = [out for picks in previous for out in self._read(picks)]
         plan = self.scheduler.plan()
         dispatched: list[Picks] = []
         if not plan.empty:
             dispatched = self.executor.run(plan, self.scheduler.slots)
             self.scheduler.advance(plan)
         previous, self._in_flight = self._in_flight, dispatched
-        outputs = [out for picks in previous for out in self._read(picks)]
+        outputs += [out for picks in previous for out in self._read(picks)]
         if self._beam_requests is not None:
             outputs += self._beam_step()
         return outputs

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
+from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
@@ -114,9 +115,10 @@ def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) ->
         )
 
 
-# Every serving step samples every row with the full sampler and its logprob fields, so one
-# program serves any mix of requests (the fields are read back only when a row asks).
-RULE = Sampling(greedy=False, want_logprobs=True)
+# Every serving step samples every row with the full sampler, its logprob fields and a token
+# mask, so one program serves any mix of requests (the fields are read back only when a row
+# asks; a step without a guided row reuses one all-ones mask).
+RULE = Sampling(greedy=False, want_logprobs=True, guided=True)
 
 
 @partial(jax.jit, static_argnames=("rule",), donate_argnames=("counts", "last_tokens"))
@@ -126,15 +128,17 @@ def _pick_rows(
     row_slots: jax.Array,
     active: jax.Array,
     num_generated: jax.Array,
+    allowed: jax.Array,
     by_slot: SampleRows,
     counts: jax.Array,
     last_tokens: jax.Array,
 ) -> tuple[jax.Array, jax.Array, Chunk]:
-    """The rule's pick of rows ``row_slots[b]`` from ``logits[b, V]``: their slots' settings
-    and token counts gathered, the counts and last tokens written back to the slots (padding
-    rows name slot ``S``, out of range: their writes are dropped)."""
+    """The rule's pick of rows ``row_slots[b]`` from ``logits[b, V]`` under their token masks
+    ``allowed[b, V/32]``: their slots' settings and token counts gathered, the counts and last
+    tokens written back to the slots (padding rows name slot ``S``, out of range: their writes
+    are dropped)."""
     take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
-    rows = jax.tree.map(take, by_slot)
+    rows = dataclasses.replace(jax.tree.map(take, by_slot), allowed=allowed)
     carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, take(counts))
     carry, record = rule.advance(logits, carry, rows, rule.empty_record(carry, rows, 1), 0)
     counts = counts.at[row_slots].set(carry.picker, mode="drop")
@@ -176,6 +180,7 @@ class SlotPicker:
         self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
         self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
         self.last_tokens = commit(np.zeros((num_slots,), np.int32))
+        self._free_masks: dict[int, jax.Array] = {}  # all-ones token masks, by row count
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
         self._rows: SampleRows | None = None
 
@@ -220,7 +225,9 @@ class SlotPicker:
         slots: Sequence[SequenceState | None],
     ) -> Picks:
         """The next tokens of ``seqs`` (by row of ``logits[b, V]``; None: no pick) at their
-        generated counts; their slots' last tokens become these."""
+        generated counts, under their guides' token masks (a guided row's matcher must have
+        seen every token before: the engine reads a step before it plans the next when a
+        guided row has tokens in flight); their slots' last tokens become these."""
         nowhere = self.num_slots
         row_slots = np.array([nowhere if s is None else s.slot for s in seqs], np.int32)
         active = np.array([s is not None for s in seqs])
@@ -231,11 +238,24 @@ class SlotPicker:
             upload(row_slots),
             upload(active),
             upload(generated),
+            self._allowed(seqs),
             self.by_slot(slots),
             self.counts,
             self.last_tokens,
         )
         return Picks(record, seqs)
+
+    def _allowed(self, seqs: list[SequenceState | None]) -> jax.Array:
+        """The rows' token masks: their guides', all ones for free rows (one stored array per
+        row count when no row is guided)."""
+        guides = [None if s is None else s.guide for s in seqs]
+        if any(g is not None for g in guides):
+            return upload(fill_bitmask(guides, self.vocab_size))
+        n = len(seqs)
+        if n not in self._free_masks:
+            ones = np.full((n, bitmask_width(self.vocab_size)), -1, np.int32)
+            self._free_masks[n] = upload(ones)
+        return self._free_masks[n]
 
     def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
         return SamplerBatch.from_params(

@@ -57,8 +57,8 @@ class SequenceState:
     """One request's place in the schedule: waiting -> running (prefilling, decoding) -> done.
 
     ``generated`` is the request's output token list (shared with its ``RequestState``, which
-    appends to it); ``params`` and ``adapter`` ride along for the executor, the policy never
-    reads them.
+    appends to it); ``params``, ``adapter`` and ``guide`` (its ``guided.GuidedRow``, which the
+    ``RequestState`` advances) ride along for the executor, the policy never reads them.
     """
 
     def __init__(
@@ -70,6 +70,7 @@ class SequenceState:
         adapter: int = -1,
         max_new: int = 1 << 62,
         cache_salt: str | None = None,
+        guide: Any = None,
     ):
         self.id = seq_id
         self.prompt = list(prompt)
@@ -82,6 +83,7 @@ class SequenceState:
         self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages of tokens
         self.num_registered = 0  # its pages registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens its last admission found in the cache
+        self.guide = guide  # the guided-decoding matcher (generation.guided), or None
         self.slot: int | None = None
         self.pages: list[int] = []
         self.num_computed = 0  # tokens whose keys are in the cache

@@ -110,6 +110,10 @@ class _HFTokenizersBackend:
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
 
 def _without_dummy_prefix(model_proto: bytes) -> bytes:
     # sentencepiece has no per-call switch for its dummy "▁" prefix. Protobuf merges repeated
@@ -397,6 +401,12 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` read from tokenizer.json (HF's name for it), or None
+        for a sentencepiece model."""
+        return getattr(self._backend, "tokenizer", None)
 
     # -- encode / decode ---------------------------------------------------------------------
 
