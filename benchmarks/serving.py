@@ -41,6 +41,7 @@ own end are the cost of static batching they are. ``--tiny`` runs fp32 on the CP
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import glob
@@ -294,13 +295,15 @@ def device_idle(trace_dir: str) -> dict[str, float]:
     if not paths:
         return {"error": "no trace written"}
     data = jax.profiler.ProfileData.from_file(paths[0])
-    spans = []
+    spans, by_name = [], collections.Counter()
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
             if line.name.startswith("Stream"):
-                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+                for e in line.events:
+                    spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                    by_name[e.name[:80]] += e.duration_ns
     if not spans:
         return {"error": "no device events in the trace (a CPU backend)"}
     spans.sort()
@@ -312,7 +315,13 @@ def device_idle(trace_dir: str) -> dict[str, float]:
     busy += hi - lo
     total = spans[-1][1] - spans[0][0] if spans else 0
     total = max(total, max(b for _, b in spans) - spans[0][0])
-    return {"span_ms": total / 1e6, "busy_ms": busy / 1e6, "idle_fraction": 1 - busy / total}
+    top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
+    return {
+        "span_ms": total / 1e6,
+        "busy_ms": busy / 1e6,
+        "idle_fraction": 1 - busy / total,
+        "top_kernels_ms": top,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +451,8 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
         ]
     ]
     for c in plan.concurrency:
-        profile = (8, 24) if c == plan.profile_concurrency else None
+        # Steady state: past the first admissions' prefills, before the queue runs dry.
+        profile = (counts[c], 24) if c == plan.profile_concurrency else None
         level = run_level(engine, requests[: counts[c]], c, profile)
         level["roofline"] = roofline(plan, level.pop("lengths"), c, peaks)
         report.details[f"c{c}"] = level

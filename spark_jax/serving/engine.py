@@ -432,7 +432,7 @@ class Engine:
         """The prompt as ints and its grammar's matcher; ValueError for a request this engine
         can never run."""
         prompt = self._check_limits(prompt_ids, params)
-        check_sampler_width(params, self.model.eos_token_ids)
+        check_sampler_width(params, self.model.eos_token_ids, self.model.config.vocab_size)
         return prompt, guided_row(self.model, params)
 
     def _check_prompt_limits(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:

@@ -68,11 +68,14 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     return jnp.take(last_tokens, row_slots, mode="clip")
 
 
-@partial(jax.jit, donate_argnames=("token_counts", "prompt_mask"))
-def _set_row(token_counts, prompt_mask, slot, counts_row, mask_row):
-    """A slot's sampler state for a newly admitted sequence (its output so far, its prompt)."""
+@partial(jax.jit, donate_argnames=("token_counts", "prompt_mask", "by_slot"))
+def _set_row(token_counts, prompt_mask, by_slot, slot, counts_row, mask_row, settings):
+    """A slot's sampler state for a newly admitted sequence: its output so far, its prompt,
+    its sampling settings (a one-row ``SampleRows``)."""
     token_counts = token_counts.at[slot].set(counts_row, mode="drop")
-    return token_counts, prompt_mask.at[slot].set(mask_row, mode="drop")
+    prompt_mask = prompt_mask.at[slot].set(mask_row, mode="drop")
+    put = lambda whole, row: whole.at[slot].set(row[0], mode="drop")
+    return token_counts, prompt_mask, jax.tree.map(put, by_slot, settings)
 
 
 @dataclass
@@ -105,8 +108,18 @@ class WarmGroup:
     run: Callable[[list[WarmStep]], None]
 
 
-def check_sampler_width(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
-    """The engine's sampler has a fixed width of stop ids and logit-bias entries per row."""
+def check_sampler_width(
+    params: SamplingParams, eos_token_ids: Sequence[int], vocab_size: int
+) -> None:
+    """The engine's sampler has a fixed width of stop ids and logit-bias entries per row, and
+    their ids must be tokens (checked here, at submission: a step that met one would fail
+    every request in flight)."""
+    for token in (*params.logit_bias, *params.stop_token_ids):
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"token id {token} in logit_bias or stop_token_ids is outside the vocabulary "
+                f"[0, {vocab_size}); remove it."
+            )
     stops = params.stop_token_set(eos_token_ids)
     if max(len(stops), len(params.logit_bias)) > SAMPLER_WIDTH:
         raise ValueError(
@@ -180,13 +193,16 @@ class SlotPicker:
         self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
         self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
         self.last_tokens = commit(np.zeros((num_slots,), np.int32))
+        # Every slot's settings (prompt mask aside: it is its own array); empty slots sample
+        # greedily, unread. Rows change one by one, as owners do.
+        self.settings = commit(
+            SampleRows(self.batch([None] * num_slots), None, np.zeros((num_slots,), np.int32))
+        )
         self._free_masks: dict[int, jax.Array] = {}  # all-ones token masks, by row count
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
-        self._rows: SampleRows | None = None
 
     def sync(self, slots: Sequence[SequenceState | None]) -> None:
-        """New owners get their sampler rows (output so far, prompt); the settings are
-        rebuilt."""
+        """New owners get their slots' sampler rows (output so far, prompt, settings)."""
         owners = [None if s is None else s.admitted for s in slots]
         if owners == self._owners:
             return
@@ -194,36 +210,29 @@ class SlotPicker:
             if seq is not None and seq.admitted != old:
                 self._set_row(seq)
         self._owners = owners
-        self._rows = None
 
     def _set_row(self, seq: SequenceState) -> None:
         vocab = self.vocab_size
         counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=vocab)
         mask = np.bincount(np.asarray(seq.prompt, np.int64), minlength=vocab) > 0
-        self.counts, self.prompt_mask = _set_row(
-            self.counts,
-            self.prompt_mask,
-            upload(np.int32(seq.slot)),
-            upload(counts[:vocab].astype(np.int32)),
-            upload(mask[:vocab]),
+        settings = SampleRows(
+            self.batch([seq.params], on_device=False),
+            None,
+            np.array([seq.params.max_tokens], np.int32),
+        )
+        host = (np.int32(seq.slot), counts[:vocab].astype(np.int32), mask[:vocab], settings)
+        self._apply_row(*jax.device_put(host))  # one transfer
+
+    def _apply_row(self, slot, counts_row, mask_row, settings) -> None:
+        self.counts, self.prompt_mask, self.settings = _set_row(
+            self.counts, self.prompt_mask, self.settings, slot, counts_row, mask_row, settings
         )
 
-    def by_slot(self, slots: Sequence[SequenceState | None]) -> SampleRows:
-        """Every slot's sampling settings (an empty slot samples greedily, unread)."""
-        if self._rows is None:
-            params = [None if s is None else s.params for s in slots]
-            max_tokens = [0 if s is None else s.params.max_tokens for s in slots]
-            self._rows = SampleRows(
-                self.batch(params), self.prompt_mask, upload(np.asarray(max_tokens, np.int32))
-            )
-        return dataclasses.replace(self._rows, prompt_mask=self.prompt_mask)
+    def by_slot(self) -> SampleRows:
+        """Every slot's sampling settings and prompt mask."""
+        return dataclasses.replace(self.settings, prompt_mask=self.prompt_mask)
 
-    def pick(
-        self,
-        logits: jax.Array,
-        seqs: list[SequenceState | None],
-        slots: Sequence[SequenceState | None],
-    ) -> Picks:
+    def pick(self, logits: jax.Array, seqs: list[SequenceState | None]) -> Picks:
         """The next tokens of ``seqs`` (by row of ``logits[b, V]``; None: no pick) at their
         generated counts, under their guides' token masks (a guided row's matcher must have
         seen every token before: the engine reads a step before it plans the next when a
@@ -232,14 +241,26 @@ class SlotPicker:
         row_slots = np.array([nowhere if s is None else s.slot for s in seqs], np.int32)
         active = np.array([s is not None for s in seqs])
         generated = np.array([0 if s is None else s.num_scheduled for s in seqs], np.int32)
+        row_slots, active, generated = jax.device_put((row_slots, active, generated))
+        return self.pick_rows(logits, seqs, row_slots, active, generated)
+
+    def pick_rows(
+        self,
+        logits: jax.Array,
+        seqs: list[SequenceState | None],
+        row_slots: jax.Array,
+        active: jax.Array,
+        generated: jax.Array,
+    ) -> Picks:
+        """``pick`` with the rows' slots, activity and generated counts already uploaded."""
         self.counts, self.last_tokens, record = _pick_rows(
             RULE,
             logits,
-            upload(row_slots),
-            upload(active),
-            upload(generated),
+            row_slots,
+            active,
+            generated,
             self._allowed(seqs),
-            self.by_slot(slots),
+            self.by_slot(),
             self.counts,
             self.last_tokens,
         )
@@ -257,25 +278,23 @@ class SlotPicker:
             self._free_masks[n] = upload(ones)
         return self._free_masks[n]
 
-    def batch(self, params: list[SamplingParams | None]) -> SamplerBatch:
+    def batch(self, params: list[SamplingParams | None], on_device: bool = True) -> SamplerBatch:
         return SamplerBatch.from_params(
-            params, self.vocab_size, self.eos_token_ids, min_width=SAMPLER_WIDTH
+            params,
+            self.vocab_size,
+            self.eos_token_ids,
+            min_width=SAMPLER_WIDTH,
+            on_device=on_device,
         )
 
     def warm(self, logits: list[jax.Array]) -> None:
         """Runs the pick of each logits shape and the row setter once on no row."""
         n, vocab = self.num_slots, self.vocab_size
-        self._rows = None
         for x in logits:
-            self.pick(x, [None] * x.shape[0], [None] * n)
-        self.counts, self.prompt_mask = _set_row(
-            self.counts,
-            self.prompt_mask,
-            upload(np.int32(n)),
-            upload(np.zeros((vocab,), np.int32)),
-            upload(np.zeros((vocab,), bool)),
-        )
-        self._rows = None
+            self.pick(x, [None] * x.shape[0])
+        settings = SampleRows(self.batch([None], on_device=False), None, np.zeros((1,), np.int32))
+        host = (np.int32(n), np.zeros((vocab,), np.int32), np.zeros((vocab,), bool), settings)
+        self._apply_row(*jax.device_put(host))
         jax.block_until_ready((self.last_tokens, self.counts))
 
 
@@ -357,12 +376,12 @@ class PagedExecutor:
         self.sampler.sync(slots)
         picks = []
         if plan.decode:
-            picks.append(self._decode(plan.decode, slots))
+            picks.append(self._decode(plan.decode))
         if plan.prefill:
-            picks += self._prefill(plan, slots)
+            picks += self._prefill(plan)
         return picks
 
-    def _decode(self, rows: list[SequenceState], slots: Sequence[SequenceState | None]) -> Picks:
+    def _decode(self, rows: list[SequenceState]) -> Picks:
         """The decoding rows packed at the lowest decode width that holds them."""
         b = rung(self.decode_widths, len(rows))
         self.decode_steps_by_width[b] += 1
@@ -374,18 +393,21 @@ class PagedExecutor:
         lengths = np.zeros((b,), np.int32)
         lengths[: len(rows)] = self.table.lengths[row_slots[: len(rows)]]
         active = np.arange(b) < len(rows)
+        generated = np.zeros((b,), np.int32)
+        generated[: len(rows)] = [s.num_scheduled for s in rows]
         adapters = [s.adapter for s in rows] + [-1] * (b - len(rows))
-        state = self.state.with_block_table(upload(table)).with_lengths(upload(lengths))
-        tokens = _gather_tokens(self.sampler.last_tokens, upload(row_slots))
-        logits, self.state = self.runner.decode(
-            state, tokens, upload(active), **self._lora(adapters)
-        )
+        # One transfer for the step's host inputs: each upload is a dispatch of its own.
+        host = (row_slots, table, lengths, active, generated)
+        row_slots, table, lengths, active, generated = jax.device_put(host)
+        state = self.state.with_block_table(table).with_lengths(lengths)
+        tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
+        logits, self.state = self.runner.decode(state, tokens, active, **self._lora(adapters))
         for seq in rows:
             self.table.lengths[seq.slot] += 1
         seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
-        return self.sampler.pick(logits, seqs, slots)
+        return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
 
-    def _prefill(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+    def _prefill(self, plan: StepPlan) -> list[Picks]:
         """Runs the chunks; the rows that end their prefill are picked from their logits."""
         rows, padded = plan.prefill, plan.prefill_rows
         pad = padded - len(rows)
@@ -405,7 +427,7 @@ class PagedExecutor:
             self.table.lengths[r.seq.slot] = r.start + r.length
         if not any(r.last for r in rows):
             return []
-        return [self.sampler.pick(chunk_logits, _prefill_samples(rows, padded), slots)]
+        return [self.sampler.pick(chunk_logits, _prefill_samples(rows, padded))]
 
     # -- warm-up ----------------------------------------------------------------------------
 
@@ -526,12 +548,12 @@ class DenseExecutor:
             logits, self.state = self.runner.decode(
                 self.state, self.sampler.last_tokens, upload(active), **self._lora(adapters)
             )
-            picks.append(self.sampler.pick(logits, seqs, slots))
+            picks.append(self.sampler.pick(logits, seqs))
         if plan.prefill:
-            picks.append(self._prefill(plan, slots))
+            picks.append(self._prefill(plan))
         return picks
 
-    def _prefill(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> Picks:
+    def _prefill(self, plan: StepPlan) -> Picks:
         """Encodes the admitted sources and seeds their decoders; picks their first tokens."""
         seqs = [row.seq for row in plan.prefill]
         pad = plan.prefill_rows - len(seqs)
@@ -545,7 +567,7 @@ class DenseExecutor:
             self.state, row_slots, prompts, requests, **self._lora(adapters)
         )
         samples = _prefill_samples(plan.prefill, len(row_slots))
-        return self.sampler.pick(chunk_logits, samples, slots)
+        return self.sampler.pick(chunk_logits, samples)
 
     def run_beams(self, limit: int) -> dict[int, BeamResult]:
         """One chunk of search steps of every running beam request, after admitting up to

@@ -552,6 +552,7 @@ class RunningServer:
         self.socket.bind((host, port))
         self.port = self.socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
+        self.app = app
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=30)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

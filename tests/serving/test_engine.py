@@ -186,6 +186,11 @@ def test_a_failed_step_ends_every_request_with_error_and_frees_everything(engine
 def test_requests_that_can_never_run_are_refused(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([])
+    vocab = engine.model.config.vocab_size
+    for bad in (dict(logit_bias={vocab: 1.0}), dict(stop_token_ids=(vocab + 3,))):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([1, 2], sj.SamplingParams(**bad))
+    assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request([1] * 500, sj.SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="outside"):
