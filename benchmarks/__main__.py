@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--requests", type=int, default=None, help="serving: finished requests per level"
     )
     parser.add_argument(
+        "--http",
+        action="store_true",
+        help="serving: the engine directly and through the HTTP server, side by side",
+    )
+    parser.add_argument(
         "--quantize",
         nargs="+",
         default=None,
@@ -132,6 +137,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--concurrency", *map(str, args.concurrency)]
     if args.requests:
         out += ["--requests", str(args.requests)]
+    if args.http:
+        out += ["--http"]
     if args.quantize:
         out += ["--quantize", *args.quantize]
     if args.kv_cache_dtype:
@@ -146,6 +153,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["concurrency"] = tuple(args.concurrency)
     if args.requests:
         out["requests"] = args.requests
+    if args.http:
+        out["http"] = True
     if args.quantize:
         out["quantize"] = tuple(args.quantize)
     if args.kv_cache_dtype:

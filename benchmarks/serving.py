@@ -104,6 +104,11 @@ class Plan:
     shared_requests: int = 48
     shared_concurrency: int = 8
     profile_concurrency: int = 64  # the level whose steps are profiled (device idle time)
+    http_concurrency: tuple[int, ...] = (1, 64)  # --http: levels driven through the server
+
+    def http_requests(self, concurrency: int) -> int:
+        """Requests of an HTTP comparison level (and of its direct twin)."""
+        return min(self.requests, max(16, 2 * concurrency))
 
     def engine_kwargs(self) -> dict[str, int]:
         """``sj.Engine`` keyword arguments of this plan's engine."""
@@ -142,6 +147,7 @@ SMALL = Plan(
     shared_requests=12,
     shared_concurrency=4,
     profile_concurrency=8,
+    http_concurrency=(1, 8),
 )
 
 
@@ -268,11 +274,19 @@ def run_level(
             if out.finished:
                 record["end"], record["tokens"] = now, len(out.result.output_tokens)
                 done.append(inflight.pop(out.request_id))
-    wall = time.perf_counter() - start
+    level = summary(done, time.perf_counter() - start, concurrency)
+    if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
+        level["device_idle"] = device_idle(trace_dir)
+    return level
+
+
+def summary(done: list[dict[str, float]], wall: float, concurrency: int) -> dict[str, Any]:
+    """A level's figures from its finished requests' records (submit, first, end, tokens,
+    prompt) and its wall time."""
     ttft = [r["first"] - r["submit"] for r in done]
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in done)
-    level = {
+    return {
         "concurrency": concurrency,
         "requests": len(done),
         "output_tokens": tokens,
@@ -283,9 +297,37 @@ def run_level(
         "lengths": [(int(r["prompt"]), int(r["tokens"])) for r in done],
         "mean_context": float(np.mean([r["prompt"] + r["tokens"] / 2 for r in done])),
     }
-    if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
-        level["device_idle"] = device_idle(trace_dir)
-    return level
+
+
+def http_levels(engine: Any, plan: Plan, requests: list, report: Report) -> list[list[Any]]:
+    """The same requests at each ``plan.http_concurrency`` level, directly and then through
+    the HTTP server over the same engine; the table's rows."""
+    from benchmarks.http_driver import run_http_level
+    from spark_jax.serving.server import RunningServer, ServerOptions, build_app
+
+    direct = {}
+    for c in plan.http_concurrency:
+        direct[c] = run_level(engine, requests[: plan.http_requests(c)], c)
+    server = RunningServer(build_app(engine, ServerOptions("bench"))).start()
+    try:
+        rows = []
+        for c in plan.http_concurrency:
+            done, wall = run_http_level(server.url, "bench", requests[: plan.http_requests(c)], c)
+            http, own = summary(done, wall, c), direct[c]
+            for level in (http, own):
+                level.pop("lengths")
+            report.details[f"http_c{c}"] = {"http": http, "direct": own}
+            report.figures[f"http_c{c}_tok_s"] = http["output_tok_s"]
+            report.ratios[f"http_c{c}_over_direct"] = ratio(
+                http["output_tok_s"], own["output_tok_s"]
+            )
+            added = (http["ttft_s"]["p50"] - own["ttft_s"]["p50"]) * 1e3
+            report.figures[f"http_c{c}_ttft_added_ms"] = added
+            progress(f"HTTP C={c}", http)
+            rows.append([f"HTTP {c}", http["output_tok_s"], own["output_tok_s"], added])
+        return rows
+    finally:
+        server.stop()
 
 
 def device_idle(trace_dir: str) -> dict[str, float]:
@@ -399,10 +441,13 @@ def progress(name: str, level: dict[str, Any]) -> None:
     print(name, json.dumps({k: level[k] for k in keys if k in level}), file=sys.stderr)
 
 
-def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
+def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> Report:
     """The suite; ``overrides`` replace plan fields (``concurrency``, ``requests``), and a
-    level then finishes ``requests`` requests whatever its concurrency."""
+    level then finishes ``requests`` requests whatever its concurrency. ``http``: only the
+    comparison of the engine driven directly and through the HTTP server (C=1 and 64)."""
     plan = dataclasses.replace(SMALL if tiny else FULL, **overrides)
+    if http:
+        return run_http(plan)
     per_level = (lambda c: plan.requests) if "requests" in overrides else None
     report = Report()
     peers = {
@@ -527,4 +572,14 @@ def run(tiny: bool, peer: bool = True, **overrides: Any) -> Report:
     )
     report.details["peers"] = peer_results
     report.table = table
+    return report
+
+
+def run_http(plan: Plan) -> Report:
+    """``--http``: the engine's throughput and TTFT directly and through the server."""
+    report = Report()
+    engine, timings = build_engine(plan)
+    report.details |= timings
+    rows = http_levels(engine, plan, workload(plan), report)
+    report.table = [["C", "HTTP tok/s", "direct tok/s", "TTFT added p50 ms"], *rows]
     return report
