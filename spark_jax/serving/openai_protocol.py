@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from spark_jax.generation.guided import guided_from_request
 from spark_jax.ops.sampling import SamplingParams
 
 MAX_N = 16  # choices per request
@@ -61,6 +62,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -140,6 +148,12 @@ def message_text(message: ChatMessage) -> dict[str, Any]:
 _CHAT_NAMES = {"logprobs": "top_logprobs"}
 
 
+GUIDED_FIELDS = {
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_whitespace_pattern",
+}  # fmt: skip
+
+
 def sampling_params(
     request: CompletionRequest | ChatCompletionRequest,
     *,
@@ -167,6 +181,13 @@ def sampling_params(
     seed = request.seed
     if seed is not None and seed >= 0:
         seed += choice
+    fields = request.model_dump(include=GUIDED_FIELDS, exclude_none=True)
+    try:
+        guided = guided_from_request(fields) if fields else None
+    except ValueError as error:
+        message = str(error)
+        param = next((f for f in GUIDED_FIELDS if message.startswith(f)), None)
+        raise InvalidRequest(message, param) from None
     try:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -189,6 +210,7 @@ def sampling_params(
             adapter=adapter,
             src_lang=getattr(request, "src_lang", None),
             tgt_lang=getattr(request, "tgt_lang", None),
+            guided=guided,
         )
     except (TypeError, ValueError) as error:
         message = str(error)

@@ -116,8 +116,13 @@ def make_drafter(name, device_drafters, reference):
 # Greedy: exactly the tokens of sj.generate.
 
 
-@pytest.mark.parametrize("num_drafts", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", DRAFTERS)
+# Every drafter a user can name at every K; the test drafters (a model drafting for itself,
+# an oracle, one always wrong: acceptance 1, 1 and 0) at one K, each K compiling a chunk.
+GRID = [(name, k) for name in DRAFTERS[:5] if name != "self_draft" for k in (1, 2, 4, 8)]
+GRID += [("self_draft", 4), ("oracle", 4), ("wrong", 4), ("oracle", 8)]
+
+
+@pytest.mark.parametrize("name, num_drafts", GRID)
 def test_greedy_output_is_token_identical_to_generate(
     model, device_drafters, references, name, num_drafts
 ):

@@ -162,7 +162,7 @@ def test_bad_requests_are_clear_errors(runner):
     )
     with pytest.raises(ValueError, match="max_position_embeddings - 2"):
         runner.prefill(state, [0], [too_long], [None])
-    with pytest.raises(ValueError, match="does not start with the 'deu_Latn' token"):
+    with pytest.raises(ValueError, match="starts with another language's token than 'deu_Latn'"):
         runner.prefill(state, [0], [src], [SamplingParams(src_lang="deu_Latn")])
     with pytest.raises(ValueError, match="chunked prefill is not supported"):
         runner.prefill_chunk(state, [0], [src], [None])

@@ -212,6 +212,36 @@ def test_every_sampling_field_gives_the_library_tokens(server, model):
         assert choice["finish_reason"] == ref.finish_reason, fields
 
 
+def test_structured_output_through_response_format_and_the_guided_fields(client, server, model):
+    choices = ["alpha", "beta", "gamma"]
+    r = client.completions.create(
+        model=NAME, prompt="pick", max_tokens=12, temperature=0.8, seed=3,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
+    guided = sj.GuidedDecodingParams(choice=choices)
+    ref = alone(model, model.tokenizer.encode("pick"), max_tokens=12, temperature=0.8, seed=3,
+                guided=guided)  # fmt: skip
+    assert r.choices[0].text == ref.text
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "json"}], max_tokens=40,
+        temperature=0, response_format=fmt, extra_body={"guided_whitespace_pattern": ""},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    for bad, field in (
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, None),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+    ):
+        r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **bad})
+        assert r.status_code == 400, (bad, r.text)
+        if field is not None:
+            assert r.json()["error"]["param"] == field, r.text
+
+
 def test_stop_strings_and_max_tokens_aliases(client, model):
     ids = chat_ids(model, "stop")
     full = alone(model, ids, max_tokens=12, **GREEDY).text
