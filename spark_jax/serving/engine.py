@@ -299,12 +299,9 @@ class Engine:
             pow2_ladder(low, max_pages_per_seq),
             widths,
         )
-        c = self.model.config
-        page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim
-        page_bytes *= self.executor.state.k_pages[0].dtype.itemsize
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",
-            kv_pages, page_size, kv_pages * page_bytes / 2**30, kv_pages * page_size,
+            kv_pages, page_size, self.executor.state.nbytes / 2**30, kv_pages * page_size,
             "on" if self.enable_prefix_caching else "off",
         )  # fmt: skip
 
