@@ -37,6 +37,7 @@ from spark_jax.ops.sampling import (
     MAX_LOGPROBS,
     SampleOutput,
     SamplerBatch,
+    SamplerPasses,
     apply_token_bitmask,
     count_tokens,
     sample,
@@ -136,12 +137,15 @@ class Sampling:
         small model's step is a few hundred kernels at launch latency).
     guided: the rows' ``allowed`` bitmask masks the logits first (vLLM's order), greedy or
         not; a row of all ones is left as it is.
+    passes: the sampler's costly passes in the program (``SamplerPasses``; by default each
+        is skipped at run time when no row asks for it).
     The picker state is the output token counts int32[B, V] (penalties).
     """
 
     greedy: bool = False
     want_logprobs: bool = False
     guided: bool = False
+    passes: SamplerPasses = SamplerPasses()
 
     def forward(self, fn: Callable, params: Any, carry: Carry, rows: Any, lora: Any) -> Any:
         return decode_forward(fn, params, carry, lora)
@@ -168,7 +172,12 @@ class Sampling:
             counts = carry.picker
         else:
             picked = sample(
-                logits, rows.sampler, carry.picker, rows.prompt_mask, carry.num_generated
+                logits,
+                rows.sampler,
+                carry.picker,
+                rows.prompt_mask,
+                carry.num_generated,
+                self.passes,
             )
             counts = count_tokens(carry.picker, picked.tokens, carry.active)
         tokens = jnp.where(carry.active, picked.tokens, carry.tokens)

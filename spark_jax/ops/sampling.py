@@ -31,7 +31,8 @@ import dataclasses
 import json
 import numbers
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -511,12 +512,49 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _filter_top_k_top_p(logits: jax.Array, batch: SamplerBatch) -> jax.Array:
-    # The sort is the costliest op of a step; skip it at run time (no recompile) when no
-    # row asks for top-k or top-p. The skipped branch is the identity, so results match.
-    needed = jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0)
-    return jax.lax.cond(
-        needed,
+@dataclasses.dataclass(frozen=True)
+class SamplerPasses:
+    """Which of the sampler's two costly passes a program holds (a static jit argument).
+
+    top_k_top_p: the sort of the top-k / top-p filter. top_logprobs: the top-n of the
+    log-probabilities. Each is True (in the program, applied to every row: a row without the
+    setting is left as it is), False (left out: the caller knows no row asks for it) or None
+    (in the program, skipped at run time when no row asks: one program for any mix, but on
+    the GPU a run-time branch makes the host wait for the device when it dispatches the
+    program, which serialises a loop that dispatches ahead).
+    """
+
+    top_k_top_p: bool | None = None
+    top_logprobs: bool | None = None
+
+    @classmethod
+    def for_params(cls, params: Sequence[SamplingParams | None], vocab_size: int) -> SamplerPasses:
+        """The passes rows with ``params`` (None: an idle row) need: exactly those the run-time
+        choice would make over their ``SamplerBatch``."""
+        rows = [p for p in params if p is not None]
+        return cls(
+            top_k_top_p=any(
+                p.top_p < 1.0 or 0 < (-1 if p.top_k is None else p.top_k) < vocab_size for p in rows
+            ),
+            top_logprobs=any((p.logprobs or 0) > 0 for p in rows),
+        )
+
+
+def _static_or_run_time(
+    static: bool | None, needed: Callable[[], jax.Array], apply: Callable, skip: Callable, x: Any
+) -> Any:
+    """``apply(x)`` if ``static``, ``skip(x)`` if not; when None, chosen on the device by
+    ``needed()`` (the skipped branch gives what the applied one would: results match)."""
+    if static is None:
+        return jax.lax.cond(needed(), apply, skip, x)
+    return apply(x) if static else skip(x)
+
+
+def _filter_top_k_top_p(logits: jax.Array, batch: SamplerBatch, static: bool | None) -> jax.Array:
+    # The sort is the costliest op of a step: left out when no row asks for top-k or top-p.
+    return _static_or_run_time(
+        static,
+        lambda: jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0),
         lambda x: apply_top_k_top_p(x, batch.top_k, batch.top_p),
         lambda x: x,
         logits,
@@ -567,9 +605,11 @@ def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return values, jnp.take_along_axis(ids.reshape(num_rows, -1), best, axis=-1).astype(jnp.int32)
 
 
-def _top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Top-MAX_LOGPROBS of log_softmax(logits), padded; skipped at run time (no recompile)
-    when no row wants them, since even the two-stage top-k costs as much as a filter pass."""
+def _top_logprobs(
+    logits: jax.Array, wanted: jax.Array, static: bool | None
+) -> tuple[jax.Array, jax.Array]:
+    """Top-MAX_LOGPROBS of log_softmax(logits), padded; left out when no row wants them,
+    since even the two-stage top-k costs as much as a filter pass."""
     num_rows, vocab = logits.shape
     n = min(MAX_LOGPROBS, vocab)
     pad = ((0, 0), (0, MAX_LOGPROBS - n))
@@ -587,7 +627,7 @@ def _top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.
             jnp.full((num_rows, MAX_LOGPROBS), -1, jnp.int32),
         )
 
-    return jax.lax.cond(jnp.any(wanted > 0), compute, skip, logits)
+    return _static_or_run_time(static, lambda: jnp.any(wanted > 0), compute, skip, logits)
 
 
 def process_logits(
@@ -596,6 +636,7 @@ def process_logits(
     token_counts: jax.Array,
     prompt_mask: jax.Array,
     num_generated: jax.Array,
+    passes: SamplerPasses = SamplerPasses(),
 ) -> tuple[jax.Array, jax.Array]:
     """The processor chain: (processed logits [B, V] f32, greedy tokens [B]).
 
@@ -614,18 +655,19 @@ def process_logits(
     # greedy rows read the penalized logits directly: bitwise plain argmax without penalties.
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = apply_temperature(logits, batch.temperature)
-    logits = _filter_top_k_top_p(logits, batch)
+    logits = _filter_top_k_top_p(logits, batch, passes.top_k_top_p)
     logits = apply_min_p(logits, batch.min_p)
     return logits, greedy_tokens
 
 
-@jax.jit
+@partial(jax.jit, static_argnames=("passes",))
 def sample(
     logits: jax.Array,
     batch: SamplerBatch,
     token_counts: jax.Array,
     prompt_mask: jax.Array,
     num_generated: jax.Array,
+    passes: SamplerPasses = SamplerPasses(),
 ) -> SampleOutput:
     """Picks one token per row.
 
@@ -634,17 +676,20 @@ def sample(
     prompt_mask: bool[B, V], tokens present in the row's prompt.
     num_generated: i32[B], tokens generated so far = index of the token being drawn; it
         seeds the step's randomness and gates min_tokens.
+    passes: which costly passes the program holds (``SamplerPasses``).
     """
     if batch.batch_size != logits.shape[0]:
         raise ValueError(f"batch has {batch.batch_size} rows but logits {logits.shape[0]}")
-    logits, greedy_tokens = process_logits(logits, batch, token_counts, prompt_mask, num_generated)
+    logits, greedy_tokens = process_logits(
+        logits, batch, token_counts, prompt_mask, num_generated, passes
+    )
     noise = _row_gumbel(batch.keys, num_generated, logits.shape[-1])
     sampled_tokens = jnp.argmax(logits + noise, axis=-1)  # Gumbel-max = categorical draw
     tokens = jnp.where(batch.temperature > 0, sampled_tokens, greedy_tokens).astype(jnp.int32)
 
     chosen_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     chosen = chosen_logit - jax.nn.logsumexp(logits, axis=-1)
-    top_values, top_ids = _top_logprobs(logits, batch.num_logprobs)
+    top_values, top_ids = _top_logprobs(logits, batch.num_logprobs, passes.top_logprobs)
     return SampleOutput(tokens, chosen, top_values, top_ids)
 
 

@@ -37,7 +37,7 @@ from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
-from spark_jax.ops.sampling import SamplerBatch, SamplingParams
+from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
 from spark_jax.serving.pages import BlockTable
 from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
 
@@ -134,8 +134,14 @@ def check_sampler_width(
 
 # Every serving step samples every row with the full sampler, its logprob fields and a token
 # mask, so one program serves any mix of requests (the fields are read back only when a row
-# asks; a step without a guided row reuses one all-ones mask).
+# asks; a step without a guided row reuses one all-ones mask). The sampler's two costly
+# passes are chosen per step from its rows' settings, among the four programs compiled at
+# warm-up: skipping them at run time would make the host wait for the device at every pick's
+# dispatch on the GPU, and the engine dispatches a step before it reads the last one.
 RULE = Sampling(greedy=False, want_logprobs=True, guided=True)
+PASS_VARIANTS = tuple(
+    SamplerPasses(top_k_top_p=f, top_logprobs=t) for f in (False, True) for t in (False, True)
+)
 
 
 @partial(jax.jit, static_argnames=("rule",), donate_argnames=("counts",))
@@ -261,8 +267,21 @@ class SlotPicker:
         generated: jax.Array,
     ) -> Picks:
         """``pick`` with the rows' slots, activity and generated counts already uploaded."""
+        params = [None if s is None else s.params for s in seqs]
+        passes = SamplerPasses.for_params(params, self.vocab_size)
+        return self._pick_with(passes, logits, seqs, row_slots, active, generated)
+
+    def _pick_with(
+        self,
+        passes: SamplerPasses,
+        logits: jax.Array,
+        seqs: list[SequenceState | None],
+        row_slots: jax.Array,
+        active: jax.Array,
+        generated: jax.Array,
+    ) -> Picks:
         self.counts, self.last_tokens, record = _pick_rows(
-            RULE,
+            dataclasses.replace(RULE, passes=passes),
             logits,
             row_slots,
             active,
@@ -296,10 +315,19 @@ class SlotPicker:
         )
 
     def warm(self, logits: list[jax.Array]) -> None:
-        """Runs the pick of each logits shape and the row setter once on no row."""
+        """Runs each pick program (logits shape x sampler passes) and the row setter once on
+        no row."""
         n, vocab = self.num_slots, self.vocab_size
         for x in logits:
-            self.pick(x, [None] * x.shape[0])
+            rows = x.shape[0]
+            host = (
+                np.full((rows,), n, np.int32),
+                np.zeros((rows,), bool),
+                np.zeros((rows,), np.int32),
+            )
+            row_slots, active, generated = jax.device_put(host)
+            for passes in PASS_VARIANTS:
+                self._pick_with(passes, x, [None] * rows, row_slots, active, generated)
         settings = SampleRows(self.batch([None], on_device=False), None, np.zeros((1,), np.int32))
         host = (np.int32(n), np.zeros((vocab,), np.int32), np.zeros((vocab,), bool), settings)
         self._apply_row(*jax.device_put(host))

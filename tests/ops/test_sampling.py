@@ -15,6 +15,7 @@ from transformers.generation import logits_process as hf
 from spark_jax.ops.sampling import (
     MAX_LOGPROBS,
     SamplerBatch,
+    SamplerPasses,
     SamplingParams,
     _top_n,
     apply_min_p,
@@ -419,6 +420,28 @@ def test_top_logprobs_are_skipped_when_no_row_asks():
     )
     assert np.isfinite(np.asarray(out.logprobs)).all()
     assert (np.asarray(out.top_ids) == -1).all()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(seed=0), SamplingParams()],  # neither pass
+        [SamplingParams(temperature=0.8, top_p=0.7, seed=1), SamplingParams()],
+        [SamplingParams(top_k=5, seed=2), SamplingParams(logprobs=3)],
+        [SamplingParams(top_k=VOCAB, seed=3), SamplingParams(logprobs=0)],  # k >= V is off
+    ],
+)
+def test_static_passes_give_what_the_run_time_choice_gives(params):
+    """The passes ``for_params`` decides on the host are the ones the run-time branch takes:
+    every output equals the one-program default's, bitwise."""
+    passes = SamplerPasses.for_params(params, VOCAB)
+    args = (jnp.asarray(random_logits(2, seed=5)), SamplerBatch.from_params(params, VOCAB))
+    run_time = sample(*args, *inputs(2))
+    static = sample(*args, *inputs(2), passes)
+    for field in ("tokens", "logprobs", "top_logprobs", "top_ids"):
+        np.testing.assert_array_equal(getattr(static, field), getattr(run_time, field))
+    needs_filter = any(p.top_p < 1 or 0 < p.top_k < VOCAB for p in params)
+    assert passes == SamplerPasses(needs_filter, any((p.logprobs or 0) > 0 for p in params))
 
 
 def test_top_n_of_a_large_vocab_equals_lax_top_k():
