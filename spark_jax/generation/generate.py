@@ -56,7 +56,7 @@ from spark_jax.generation.step import (
 )
 from spark_jax.models.common import bucket
 from spark_jax.ops.lora import adapter_slot
-from spark_jax.ops.sampling import SamplerBatch, SamplingParams
+from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
 
 MIN_CACHE_LEN = 256
 
@@ -154,6 +154,7 @@ def _start(model, prompts, plist, adapters, guides) -> tuple[_Batch, Carry, Chun
         greedy=all(p.plain_greedy for p in plist),
         want_logprobs=any(p.logprobs is not None for p in plist),
         guided=any(g is not None for g in guides),
+        passes=SamplerPasses.for_params(plist, vocab),
     )
     # Plain greedy reads neither the prompt mask nor the output counts: [B, 1] stand-ins spare
     # a [B, V] host array and its transfer (8 MB at NLLB's vocab and B=32) on every call.

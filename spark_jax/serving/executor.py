@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -280,18 +281,33 @@ class SlotPicker:
         active: jax.Array,
         generated: jax.Array,
     ) -> Picks:
-        self.counts, self.last_tokens, record = _pick_rows(
-            dataclasses.replace(RULE, passes=passes),
+        args = self._pick_args(passes, logits, seqs, row_slots, active, generated)
+        self.counts, self.last_tokens, record = _pick_rows(*args)
+        return Picks(record, seqs)
+
+    def _pick_args(
+        self,
+        passes: SamplerPasses,
+        logits: jax.Array,
+        seqs: list[SequenceState | None],
+        row_slots: jax.Array,
+        active: jax.Array,
+        generated: jax.Array,
+    ) -> tuple:
+        """``_pick_rows``' arguments for these rows."""
+        rule = dataclasses.replace(RULE, passes=passes)
+        allowed = self._allowed(seqs)
+        return (
+            rule,
             logits,
             row_slots,
             active,
             generated,
-            self._allowed(seqs),
+            allowed,
             self.by_slot(),
             self.counts,
             self.last_tokens,
         )
-        return Picks(record, seqs)
 
     def _allowed(self, seqs: list[SequenceState | None]) -> jax.Array:
         """The rows' token masks: their guides', all ones for free rows (one stored array per
@@ -318,6 +334,7 @@ class SlotPicker:
         """Runs each pick program (logits shape x sampler passes) and the row setter once on
         no row."""
         n, vocab = self.num_slots, self.vocab_size
+        runs = []
         for x in logits:
             rows = x.shape[0]
             host = (
@@ -325,9 +342,13 @@ class SlotPicker:
                 np.zeros((rows,), bool),
                 np.zeros((rows,), np.int32),
             )
-            row_slots, active, generated = jax.device_put(host)
-            for passes in PASS_VARIANTS:
-                self._pick_with(passes, x, [None] * rows, row_slots, active, generated)
+            runs += [(passes, x, [None] * rows, *jax.device_put(host)) for passes in PASS_VARIANTS]
+        # Compiled on threads first (XLA compiles outside the GIL), then each run once.
+        lowered = [_pick_rows.lower(*self._pick_args(*run)) for run in runs]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        for run in runs:
+            self._pick_with(*run)
         settings = SampleRows(self.batch([None], on_device=False), None, np.zeros((1,), np.int32))
         host = (np.int32(n), np.zeros((vocab,), np.int32), np.zeros((vocab,), bool), settings)
         self._apply_row(*jax.device_put(host))
