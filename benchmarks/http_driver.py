@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -63,5 +67,29 @@ async def _level(url: str, model: str, requests: list[tuple[list[int], int]], c:
 def run_http_level(
     url: str, model: str, requests: list[tuple[list[int], int]], concurrency: int
 ) -> tuple[list[dict[str, float]], float]:
-    """The finished requests' records (submit, first, end, tokens, prompt) and the wall time."""
-    return asyncio.run(_level(url, model, requests, concurrency))
+    """The finished requests' records (submit, first, end, tokens, prompt) and the wall time.
+
+    The clients run in a process of their own, as a real load generator does: in the
+    server's process their parsing would take the interpreter lock from the server and the
+    engine and be counted as the server's cost. Their clock (``perf_counter``, the system's
+    monotonic clock) is the one the records are compared on."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "level.json"
+        path.write_text(json.dumps({"url": url, "model": model, "requests": requests}))
+        command = [sys.executable, "-m", "benchmarks.http_driver", str(path), str(concurrency)]
+        subprocess.run(command, check=True, timeout=3600, cwd=Path(__file__).parent.parent)
+        result = json.loads(path.read_text())
+    return result["done"], result["wall"]
+
+
+def main(argv: list[str]) -> None:
+    """The client process: ``LEVEL_JSON CONCURRENCY``; writes the records into the file."""
+    path, concurrency = Path(argv[0]), int(argv[1])
+    level = json.loads(path.read_text())
+    requests = [(list(p), int(n)) for p, n in level["requests"]]
+    done, wall = asyncio.run(_level(level["url"], level["model"], requests, concurrency))
+    path.write_text(json.dumps({"done": done, "wall": wall}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

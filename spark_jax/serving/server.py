@@ -439,18 +439,47 @@ def _choices(gen: _Generation) -> list[_Choice]:
 
 async def _outputs(server: _Server, gen: _Generation) -> AsyncIterator[RequestOutput]:
     """Every output of a generation's requests; those still running when the consumer stops
-    (a client gone) are aborted."""
+    (a client gone) are aborted. Outputs that queued up while the consumer was busy come
+    merged, one per request (see ``_coalesce``)."""
     remaining = set(gen.ids)
     try:
         while remaining:
-            out = await gen.queue.get()
-            if out.finished:
-                remaining.discard(out.request_id)
-            yield out
+            ready = [await gen.queue.get()]
+            while not gen.queue.empty():
+                ready.append(gen.queue.get_nowait())
+            for out in _coalesce(ready):
+                if out.finished:
+                    remaining.discard(out.request_id)
+                yield out
     finally:
         if remaining:
             server.engine.abort(sorted(remaining))
             server.metrics.finished.labels(finished_reason="abort").inc(len(remaining))
+
+
+def _coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each request's consecutive outputs as one (tokens, text and logprobs joined; the end of
+    the last), in order of each request's first. When the server falls behind the engine it
+    then writes one event per request and step of its own instead of one per token, as
+    vLLM's server does, so a busy server catches up instead of falling further behind."""
+    merged: dict[int, RequestOutput] = {}
+    for out in outputs:
+        head = merged.get(out.request_id)
+        if head is None:
+            merged[out.request_id] = out
+            continue
+        logprobs = head.logprobs
+        if out.logprobs is not None:
+            logprobs = (logprobs or []) + out.logprobs
+        merged[out.request_id] = RequestOutput(
+            out.request_id,
+            head.new_token_ids + out.new_token_ids,
+            head.text_delta + out.text_delta,
+            out.finished,
+            out.result,
+            logprobs,
+        )
+    return list(merged.values())
 
 
 async def _collect(server: _Server, gen: _Generation) -> list[_Choice]:
