@@ -386,7 +386,11 @@ def test_100_streaming_clients_20_of_which_disconnect(server, model):
     refs = [alone(model, model.tokenizer.encode(p), max_tokens=16, **GREEDY).text for p in prompts]
 
     async def one(http: httpx.AsyncClient, i: int) -> str | None:
-        body = {"prompt": prompts[i % 4], "max_tokens": 16, "stream": True, **GREEDY}
+        # A leaver asks for many tokens, so that it leaves while its request still runs (one
+        # event can carry several tokens when the server falls behind the engine).
+        leaves = i % 5 == 0
+        tokens = 110 if leaves else 16  # the context holds 128
+        body = {"prompt": prompts[i % 4], "max_tokens": tokens, "stream": True, **GREEDY}
         text, events = "", 0
         async with http.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -394,7 +398,7 @@ def test_100_streaming_clients_20_of_which_disconnect(server, model):
                     continue
                 events += 1
                 text += json.loads(line[6:])["choices"][0]["text"]
-                if i % 5 == 0 and events == 2:
+                if leaves and events == 2:
                     return None  # leaves mid-stream: the connection closes
         return text
 
