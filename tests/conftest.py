@@ -4,13 +4,33 @@ weights as spark_jax models, the real SmolLM2)."""
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
-import jax
-import pytest
-import torch
-from helpers import HF_BUILDERS, model_from_hf, smollm2_gguf_path
+# One persistent XLA compilation cache for the whole run, set before jax is imported: this file
+# loads in pytest's main process first, so its xdist workers, the notebooks' kernels and the CLI
+# children inherit the same directory, and a program two tests (or processes) build is compiled
+# once. Compilation is most of the suite's CPU time. Counting helpers count cache hits as
+# compilations, so what a test counts does not depend on which test ran first.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spark_jax_xla_cache_")
+    os.environ["SPARK_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-import spark_jax as sj
+import jax  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import HF_BUILDERS, model_from_hf, smollm2_gguf_path  # noqa: E402
+
+import spark_jax as sj  # noqa: E402
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process that made the run's compilation cache removes it."""
+    if os.environ.get("SPARK_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=sorted(HF_BUILDERS))

@@ -5,8 +5,7 @@ prompts, 128 new tokens each, 2,048 positions. Every variant then scores that te
 forced in one batched pass over the cache (``verify``: the fp8 K/V variant reads back what it
 wrote), and per position its top-1 is compared with bf16's, over all positions and over those
 where bf16's top token leads its second by more than 0.5 logit; the mean KL(bf16 || variant)
-and the mean common prefix of the per-channel and K/V variants' own free-running greedy
-continuations (32 tokens) are reported. For scale: fp32 agrees with bf16 on ~99% of these positions.
+is reported beside. For scale: fp32 agrees with bf16 on ~99% of these positions.
 
 Per-group scales (64 input channels) are measured beside the per-channel ones: they measure
 better for both types, so the report shows both and the thresholds hold for both.
@@ -44,8 +43,6 @@ TOPICS = (
     "the life of honeybees",
 )
 NEW_TOKENS = 128
-CONTINUATION = 32
-CONTINUED = ("fp8", "int8", "kv_fp8")  # the variants whose free-running greedy is compared
 CONFIDENT_MARGIN = 0.5
 
 # variant -> (weight quantization, kv cache dtype)
@@ -80,13 +77,6 @@ def teacher_forced(model: sj.Model, tokens: np.ndarray, lengths: np.ndarray) -> 
     return np.asarray(logits, np.float32)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 @pytest.fixture(scope="module")
 def quality(smollm2):
     config, tokenizer = smollm2.config, smollm2.tokenizer
@@ -112,7 +102,6 @@ def quality(smollm2):
     top2 = np.sort(ref, axis=-1)[:, -2:]
     confident = top2[:, 1] - top2[:, 0] > CONFIDENT_MARGIN
     ref_logp = jax.nn.log_softmax(jnp.asarray(ref))
-    short = dataclasses.replace(greedy, max_tokens=CONTINUATION)
 
     report = {}
     for name, (quantization, kv_cache_dtype) in VARIANTS.items():
@@ -123,20 +112,10 @@ def quality(smollm2):
         agree = logits.argmax(-1) == ref_top
         logp = jax.nn.log_softmax(jnp.asarray(logits))
         kl = float(jnp.mean(jnp.sum(jnp.exp(ref_logp) * (ref_logp - logp), axis=-1)))
-        prefix = float("nan")
-        if name in CONTINUED:
-            continuations = sj.generate_batch(model, prompts, short)
-            prefix = np.mean(
-                [
-                    common_prefix(c.output_tokens, t[len(p) :])
-                    for c, t, p in zip(continuations, texts, prompts, strict=True)
-                ]
-            )
         report[name] = {
             "top1": float(agree.mean()),
             "top1_confident": float(agree[confident].mean()),
             "mean_kl": kl,
-            "common_prefix": float(prefix),
         }
         del model, params
     return {"positions": len(rows), "confident": int(confident.sum()), "variants": report}
@@ -148,12 +127,9 @@ def test_quantized_weights_and_the_fp8_cache_agree_with_bf16(quality, capsys):
             f"\nquantization quality on SmolLM2 vs bf16: {quality['positions']} positions, "
             f"{quality['confident']} with a lead > {CONFIDENT_MARGIN}"
         )
-        print(f"{'variant':10} {'top1':>7} {'confident':>10} {'mean KL':>9} {'prefix':>7}")
+        print(f"{'variant':10} {'top1':>7} {'confident':>10} {'mean KL':>9}")
         for name, r in quality["variants"].items():
-            print(
-                f"{name:10} {r['top1']:7.4f} {r['top1_confident']:10.4f} {r['mean_kl']:9.5f} "
-                f"{r['common_prefix']:7.1f}"
-            )
+            print(f"{name:10} {r['top1']:7.4f} {r['top1_confident']:10.4f} {r['mean_kl']:9.5f}")
     assert quality["positions"] == 2048
     for name, (overall, confident) in THRESHOLDS.items():
         r = quality["variants"][name]

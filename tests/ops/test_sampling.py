@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from helpers import CompileCounter
 from transformers.generation import logits_process as hf
 
 from spark_jax.ops.sampling import (
@@ -519,24 +520,6 @@ def test_params_are_canonicalized():
 
 
 # ------------------------------------------------------------------------ 6. compilation
-
-
-class CompileCounter:
-    """Counts XLA backend compilations while active (jax.monitoring's compile event)."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event, duration, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def test_changing_parameter_values_never_recompiles():
