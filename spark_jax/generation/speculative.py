@@ -121,7 +121,7 @@ def greedy_accept(
 def rejection_sample(
     probs: jax.Array,
     drafts: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     key: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
@@ -129,6 +129,8 @@ def rejection_sample(
 
     probs: f32[K + 1, V], the target's p after the last token and after each draft.
     drafts: i32[K], drawn from draft_probs (f32[K, V], q); the first ``num_drafts`` real.
+    draft_probs None: the drafts are deterministic (q one-hot at each draft, as prompt
+    lookup's), without the [K, V] array of one-hots.
     Draft i is kept with probability min(1, p_i(x) / q_i(x)); the first rejected one is
     replaced by a draw from normalize(max(0, p_n - q_n)); with all kept, the next token is a
     bonus draw from p_n. The tokens then follow p exactly, whatever q is.
@@ -137,13 +139,18 @@ def rejection_sample(
     accept_key, draw_key = jax.random.split(key)
     rows = jnp.arange(k)
     p_draft = probs[rows, drafts]
-    q_draft = draft_probs[rows, drafts]
+    q_draft = jnp.ones_like(p_draft) if draft_probs is None else draft_probs[rows, drafts]
     u = jax.random.uniform(accept_key, (k,))
     ok = (u * q_draft < p_draft) & (rows < num_drafts)  # u < p/q without dividing by q
     n = _accepted_prefix(ok)
-    q_ext = jnp.concatenate([draft_probs, jnp.zeros_like(probs[:1])])
-    q_n = jnp.where(n < num_drafts, q_ext[n], 0.0)
-    residual = jnp.maximum(probs[n] - q_n, 0.0)
+    if draft_probs is None:  # max(0, p_n - one_hot(x_n)) is p_n without the rejected x_n
+        x_n = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])[n]
+        rejected = (n < num_drafts) & (jnp.arange(probs.shape[-1]) == x_n)
+        residual = jnp.where(rejected, 0.0, probs[n])
+    else:
+        q_ext = jnp.concatenate([draft_probs, jnp.zeros_like(probs[:1])])
+        q_n = jnp.where(n < num_drafts, q_ext[n], 0.0)
+        residual = jnp.maximum(probs[n] - q_n, 0.0)
     # A zero residual means p_n == q_n, where rejection has probability zero; guard rounding.
     residual = jnp.where(jnp.sum(residual) > 0, residual, probs[n])
     return n, jax.random.categorical(draw_key, jnp.log(residual)).astype(jnp.int32)
@@ -164,7 +171,7 @@ class Verdict(NamedTuple):
 def judge(
     logits: jax.Array,
     step_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     batch: SamplerBatch,
     token_counts: jax.Array,
@@ -177,7 +184,7 @@ def judge(
 
     logits: [1, T, V] from verify ([1, V] from prefill or decode: T = 1, no drafts).
     step_tokens: i32[1, T], the step's input: the last token, then the drafts (first
-    ``num_drafts`` real). draft_probs: f32[T - 1, V], q. batch: the request's one-row
+    ``num_drafts`` real). draft_probs: f32[T - 1, V], q (None: deterministic drafts). batch: the request's one-row
     SamplerBatch. token_counts i32[V] and prompt_mask bool[V] before the step; num_generated:
     tokens output before it; cache_lengths: i32[1] after it. Position t is processed as
     ``sample`` would process it after t drafts. ``with_top`` fills the top logprobs (a top-k
@@ -229,7 +236,7 @@ def judge(
 def judge_rows(
     logits: jax.Array,
     step_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     batch: SamplerBatch,
     token_counts: jax.Array,
@@ -238,7 +245,7 @@ def judge_rows(
     cache_lengths: jax.Array,
     with_top: bool = False,
 ) -> Verdict:
-    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V],
+    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V] (or None),
     num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
     [B], cache_lengths [B]; each field of the verdict gains a leading B axis."""
 
@@ -311,7 +318,7 @@ class Proposal(NamedTuple):
 
     logits: jax.Array  # [B, T, V]
     drafts: jax.Array  # int32[B, K]
-    draft_probs: jax.Array | None  # f32[B, K, V] q, or None (greedy)
+    draft_probs: jax.Array | None  # f32[B, K, V] q, or None (greedy, or deterministic drafts)
     num_drafts: jax.Array  # int32[B]: real drafts of each row (0 for inactive rows)
     hidden: jax.Array | None  # [B, T, D] the target's states (a drafter asked for them)
 
@@ -392,9 +399,7 @@ class Speculation:
             lengths = target.lengths - limit + n  # verify kept the last token and each draft
             top = (record.logprobs, record.top_logprobs, record.top_ids)
         else:
-            vocab = proposal.logits.shape[-1]
-            q = proposal.draft_probs
-            q = jnp.zeros((*proposal.drafts.shape, vocab), jnp.float32) if q is None else q
+            q = proposal.draft_probs  # None: deterministic drafts (judge's one-hot q)
             verdict = judge_rows(
                 proposal.logits, step_tokens, q, limit, rows.sampler, carry.picker,
                 rows.prompt_mask, carry.num_generated, target.lengths, self.with_top,
