@@ -184,12 +184,12 @@ def judge(
 
     logits: [1, T, V] from verify ([1, V] from prefill or decode: T = 1, no drafts).
     step_tokens: i32[1, T], the step's input: the last token, then the drafts (first
-    ``num_drafts`` real). draft_probs: f32[T - 1, V], q (None: deterministic drafts). batch: the request's one-row
-    SamplerBatch. token_counts i32[V] and prompt_mask bool[V] before the step; num_generated:
-    tokens output before it; cache_lengths: i32[1] after it. Position t is processed as
-    ``sample`` would process it after t drafts. ``with_top`` fills the top logprobs (a top-k
-    over [T, V]; -inf / -1 otherwise). Everything stays on the device: the host reads only
-    the accepted tokens.
+    ``num_drafts`` real). draft_probs: f32[T - 1, V], q (None: deterministic drafts).
+    batch: the request's one-row SamplerBatch. token_counts i32[V] and prompt_mask bool[V]
+    before the step; num_generated: tokens output before it; cache_lengths: i32[1] after it.
+    Position t is processed as ``sample`` would process it after t drafts. ``with_top`` fills
+    the top logprobs (a top-k over [T, V]; -inf / -1 otherwise). Everything stays on the
+    device: the host reads only the accepted tokens.
     """
     vocab = logits.shape[-1]
     logits = logits.reshape(-1, vocab)
@@ -245,8 +245,8 @@ def judge_rows(
     cache_lengths: jax.Array,
     with_top: bool = False,
 ) -> Verdict:
-    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V] (or None),
-    num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
+    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V]
+    (or None), num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
     [B], cache_lengths [B]; each field of the verdict gains a leading B axis."""
 
     def one(logits, tokens, q, n, row, counts, mask, generated, length):

@@ -12,7 +12,8 @@ next step's decode reads it, so the engine reads a step's tokens while the next 
   has drafts is a verify step instead: the same rows, K + 1 positions each (the last token,
   then the row's drafts, padding after; a row without drafts is a plain decode row in it),
   judged by the speculative rule (``speculative.Speculation``: greedy rows keep the drafts
-  equal to the argmax, sampled rows the rejection rule), each row keeping its own number. The host block table moves with the sequences' pages; on the GPU the decode
+  equal to the argmax, sampled rows the rejection rule), each row keeping its own number.
+  The host block table moves with the sequences' pages; on the GPU the decode
   step's attention reads each row's pages in place (cuDNN's paged attention), elsewhere it
   gathers the rows and the table's width (the longest row, in pages) moves on a ladder so
   the gather stays short.
@@ -39,7 +40,7 @@ import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
 from spark_jax.generation.guided import bitmask_width, fill_bitmask
-from spark_jax.generation.speculative import Proposal, Speculation, SpecRecord, SpecRows, SpecState
+from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, SpecState, Speculation
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
@@ -578,7 +579,8 @@ class PagedExecutor:
         for seq in rows:
             self.table.lengths[seq.slot] += 1
         if any(s.drafts for s in rows):
-            return self._verify(rows, seqs, (row_slots, table, lengths, active, generated), adapters)
+            host = (row_slots, table, lengths, active, generated)
+            return self._verify(rows, seqs, host, adapters)
         # One transfer for the step's host inputs: each upload is a dispatch of its own.
         host = (row_slots, table, lengths, active, generated)
         row_slots, table, lengths, active, generated = jax.device_put(host)
@@ -606,8 +608,8 @@ class PagedExecutor:
             num_drafts[i] = len(seq.drafts)
         real = active.astype(np.int32) + num_drafts  # tokens verified per row
         host = (row_slots, table, lengths, active, generated, drafts, num_drafts, real)
-        row_slots, table, lengths, active, generated, drafts, num_drafts, real = (
-            jax.device_put(host)
+        row_slots, table, lengths, active, generated, drafts, num_drafts, real = jax.device_put(
+            host
         )
         state = self.state.with_block_table(table).with_lengths(lengths)
         tokens = _verify_inputs(self.sampler.last_tokens, row_slots, drafts)
