@@ -61,7 +61,13 @@ from spark_jax.generation.step import Carry, LoopOptions, pick, run_chunk
 from spark_jax.model import Model
 from spark_jax.models.common import bucket
 from spark_jax.ops.lora import adapter_slot
-from spark_jax.ops.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
+from spark_jax.ops.sampling import (
+    MAX_LOGPROBS,
+    SamplerBatch,
+    SamplingParams,
+    process_logits,
+    row_gumbel,
+)
 
 __all__ = [
     "DRAFTER_NAMES",
@@ -86,6 +92,10 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance: pure functions of one row's verify logits.
+
+# Folded into a row's key for the rule's acceptance and replacement draws: a stream apart
+# from the sampler's per-index draws, which the bonus token reuses (see ``judge``).
+JUDGE_STREAM = 0x6A75_6467
 
 
 def target_logits(
@@ -206,8 +216,15 @@ def judge(
         logits, rows, counts, mask, num_generated + jnp.arange(steps)
     )
     probs = jax.nn.softmax(processed, axis=-1)
-    key = jax.random.fold_in(batch.keys[0], num_generated)
-    sampled = rejection_sample(probs, drafts, draft_probs, num_drafts, key)
+    key = jax.random.fold_in(jax.random.fold_in(batch.keys[0], JUDGE_STREAM), num_generated)
+    kept, replacement = rejection_sample(probs, drafts, draft_probs, num_drafts, key)
+    # With every draft kept, the bonus token is ``sample``'s own draw of that output index
+    # (Gumbel-max with the same noise): a row without drafts picks what a decode step would,
+    # so a request's tokens do not depend on whether its batch speculated.
+    index = (num_generated + kept)[None]
+    noise = row_gumbel(batch.keys[:1], index, vocab)[0]
+    bonus = jnp.argmax(processed[kept] + noise).astype(jnp.int32)
+    sampled = (kept, jnp.where(kept < num_drafts, replacement, bonus))
     greedy = greedy_accept(greedy_tokens, drafts, num_drafts)
     is_sampled = batch.temperature[0] > 0
     n = jnp.where(is_sampled, sampled[0], greedy[0])
