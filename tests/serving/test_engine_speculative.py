@@ -22,7 +22,11 @@ from spark_jax.serving.engine import Engine
 from spark_jax.serving.pages import PageAllocator
 from spark_jax.serving.scheduler import Scheduler, SequenceState
 
-SMALL = dict(max_num_seqs=8, max_batch_tokens=64, page_size=8, max_model_len=128)
+# One decode width, one block-table width and one prefill shape: few programs to compile.
+SMALL = dict(
+    max_num_seqs=8, max_batch_tokens=64, min_chunk=64, page_size=8, max_model_len=128,
+    decode_widths=[8], min_decode_pages=16,
+)  # fmt: skip
 
 
 def ngram(k: int) -> dict:
@@ -32,7 +36,8 @@ def ngram(k: int) -> dict:
 def mixed_batch() -> tuple[list[list[int]], list[sj.SamplingParams], list[bool]]:
     """Repetitive prompts (prompt lookup finds continuations) and plain random ones; greedy
     rows with and without stop ids, one with logprobs; every third request opts out."""
-    prompts = [random_prompt(i, 6) * 4 for i in range(7)] + [random_prompt(50 + i, 21) for i in range(3)]
+    prompts = [random_prompt(i, 6) * 4 for i in range(7)]
+    prompts += [random_prompt(50 + i, 21) for i in range(3)]
     params = []
     for i in range(len(prompts)):
         extra = dict(ignore_eos=True) if i % 2 else dict(stop_token_ids=tuple(range(3, 128, 13)))
@@ -101,8 +106,8 @@ def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_bat
     compile; each sampled request's output is the one it gets alone."""
     _, model = tiny_llama
     engine = Engine(
-        model, max_num_seqs=4, max_batch_tokens=32, page_size=8, max_model_len=64,
-        speculative_config=ngram(3),
+        model, max_num_seqs=4, max_batch_tokens=32, min_chunk=32, page_size=8,
+        max_model_len=64, decode_widths=[4], speculative_config=ngram(3),
     )  # fmt: skip
     engine.warmup(compile_threads=2)
     prompts = [random_prompt(i, 5) * 3 for i in range(6)]
@@ -191,8 +196,8 @@ def test_drafts_never_preempt_an_other_row():
     pool = PageAllocator(4)
     scheduler = Scheduler(2, [1, 2], pool, page_size=4)
     old, new = _decoding(scheduler, 3, ids=(0, 1))  # a page each, next keys at position 3
-    old.drafts, new.drafts = [5, 6, 7, 8, 9], [5, 6]
+    old.drafts, new.drafts = list(range(10)), [5, 6]
     plan = scheduler.plan()
     assert plan.decode == [old, new] and not plan.preempted
-    assert len(old.pages) == 3 and old.drafts == [5, 6, 7, 8]  # the two free pages
+    assert len(old.pages) == 3 and old.drafts == list(range(8))  # the two free pages
     assert len(new.pages) == 1 and new.drafts == []
