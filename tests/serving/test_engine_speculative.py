@@ -101,6 +101,19 @@ def test_greedy_outputs_equal_the_engine_without_speculation(tiny_llama, referen
     engine.scheduler.pages.check()
 
 
+def test_preempted_speculative_rows_resume_with_the_same_outputs(tiny_llama, reference):
+    """A pool too small for the batch: rows are preempted (drafts never cause it) and
+    recomputed, and every output is still the engine's without speculation."""
+    _, model = tiny_llama
+    engine = Engine(model, **SMALL, kv_pages=20, speculative_config=ngram(4))
+    prompts, params, speculative = mixed_batch()
+    results = drive(engine, prompts, params, speculative)
+    assert engine.num_preemptions > 0
+    assert [r.output_tokens for r in results] == [r.output_tokens for r in reference]
+    assert engine.pages_in_use == 0
+    engine.scheduler.pages.check()
+
+
 def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_batch(tiny_llama):
     """Greedy, seeded sampled (with penalties and top-p) and logprob rows after warm-up: no
     compile; each sampled request's output is the one it gets alone."""
