@@ -14,6 +14,15 @@ is E[tokens] x (decode step time / oracle step time), the step times measured in
 Both drafters run on the device (``ReplayDrafter``), so the speculative loop is the library's
 chunk of several steps per host sync, as with a draft model or a draft head.
 
+The engine part: ``sj.Engine`` with ``speculative_config={"method": "ngram",
+"num_speculative_tokens": 4}`` against the same engine without it (both warmed up), at
+concurrency 1, 4 and 16 (``--concurrency``): that many requests at once, each an editing
+prompt (a random text, then the text again, which the output goes on copying where the
+model does) of greedy output. Output tok/s is every request's tokens over the wall time;
+the acceptance rate is the engine's kept drafts over verified ones. Random weights copy
+only as far as their own greedy output repeats: the figure says what prompt lookup buys on
+this workload, not on a trained model's edits.
+
 Figures are decode-phase rates (tokens after the first / time after the first), the median of
 ``--repeats`` warm runs. ``verify_ms`` and ``decode_ms`` are the bare jitted steps chained
 on the device (no host work), so ``oracle_step_ms - verify_ms`` is what the loop adds.
@@ -25,6 +34,7 @@ number of tokens where the two greedy outputs differ is reported (``greedy_misma
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +44,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import Report, chain_seconds, llama, random_params
-from spark_jax import GenerationResult, Model, SamplingParams, generate, generate_speculative
+from spark_jax import (
+    Engine,
+    GenerationResult,
+    Model,
+    SamplingParams,
+    generate,
+    generate_speculative,
+)
+
+ENGINE_CONCURRENCY = (1, 4, 16)
 
 
 @dataclass(frozen=True)
@@ -111,8 +130,69 @@ def bare_step_ms(model: Model, context: int, width: int) -> float:
     return 1e3 * seconds
 
 
-def run(tiny: bool, peer: bool = True) -> Report:
-    """The bare decode and verify steps are this suite's peer: always measured."""
+def editing_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of a random text of ``length`` tokens given twice: the second copy
+    starts the edited version, which prompt lookup can continue from the first."""
+    rng = np.random.RandomState(seed)
+    texts = [rng.randint(0, vocab, length).tolist() for _ in range(count)]
+    return [text + text[: length // 4] for text in texts]
+
+
+def engine_rates(
+    model: Model, tiny: bool, k: int, concurrency: Sequence[int], repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Output tok/s of one engine with prompt lookup and one without, at each concurrency."""
+    length, max_tokens = (48, 32) if tiny else (256, 128)
+    slots = max(concurrency)
+    shapes = dict(
+        max_num_seqs=slots,
+        max_model_len=length + length // 4 + max_tokens,
+        max_batch_tokens=64 if tiny else 512,
+        min_chunk=64 if tiny else 512,  # one prefill shape and a decode width per level:
+        decode_widths=sorted(set(concurrency)),  # few programs to warm up
+        page_size=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    engines = {
+        "plain": Engine(model, **shapes),
+        "ngram": Engine(model, **shapes, speculative_config=spec),
+    }
+    warmup_s = {}
+    for name, engine in engines.items():
+        start = time.perf_counter()
+        engine.warmup()
+        warmup_s[name] = time.perf_counter() - start
+    rows = []
+    for c in concurrency:
+        prompts = editing_prompts(model.config.vocab_size, c, length, seed=c)
+        row: dict[str, Any] = {"concurrency": c}
+        for name, engine in engines.items():
+            before = engine.metrics()
+            rates = []
+            for _ in range(repeats):  # the median: host noise moves one run a lot
+                start = time.perf_counter()
+                results = engine.generate_many(prompts, params)
+                seconds = time.perf_counter() - start
+                rates.append(sum(len(r.output_tokens) for r in results) / seconds)
+            after = engine.metrics()
+            row[f"{name}_tok_s"] = statistics.median(rates)
+            if name == "ngram":
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                accepted = after.num_accepted_tokens - before.num_accepted_tokens
+                row["acceptance_rate"] = accepted / drafted if drafted else 0.0
+                outputs = [r.output_tokens for r in results]
+            else:
+                reference = [r.output_tokens for r in results]
+        row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
+        row["outputs_match"] = outputs == reference
+        rows.append(row)
+    return rows, warmup_s
+
+
+def run(tiny: bool, peer: bool = True, concurrency: Sequence[int] = ENGINE_CONCURRENCY) -> Report:
+    """The bare decode and verify steps are this suite's peer: always measured; the engine
+    without speculation is the engine part's."""
     from types import SimpleNamespace
 
     args = SimpleNamespace(
@@ -199,6 +279,8 @@ def run(tiny: bool, peer: bool = True) -> Report:
             "output_matches_oracle": noisy.output_tokens == oracle.output_tokens,
         },
     }
+    engine_rows, warmup_s = engine_rates(model, tiny, k, concurrency, 3)
+    results["engine"] = {"num_speculative_tokens": k, "rows": engine_rows, "warmup_s": warmup_s}
     report = Report(details=results)
     report.figures = {
         "oracle_tok_s": oracle_tok_s,
@@ -206,6 +288,11 @@ def run(tiny: bool, peer: bool = True) -> Report:
         "generate_tok_s": base_tok_s,
     }
     report.peers = {"decode_step_ms": decode_ms, "verify_step_ms": verify_ms}
+    for row in engine_rows:
+        c = row["concurrency"]
+        report.figures[f"engine_ngram_c{c}_tok_s"] = row["ngram_tok_s"]
+        report.peers[f"engine_plain_c{c}_tok_s"] = row["plain_tok_s"]
+        report.ratios[f"engine_ngram_over_plain_c{c}"] = row["speedup"]
     report.ratios = {
         "oracle_over_generate": oracle_tok_s / base_tok_s,
         "corrupted_over_generate": noisy_tok_s / base_tok_s,
@@ -242,4 +329,13 @@ def run(tiny: bool, peer: bool = True) -> Report:
         ["bare decode step", None, None, None, None, decode_ms],
         [f"bare verify step (T={k + 1})", None, None, None, None, verify_ms],
     ]
+    for row in engine_rows:
+        c = row["concurrency"]
+        report.table.append(
+            [f"engine C={c}, no speculation", row["plain_tok_s"], 1.0, None, None, None]
+        )
+        label = f"engine C={c}, ngram K={k}" + ("" if row["outputs_match"] else " (outputs differ)")
+        report.table.append(
+            [label, row["ngram_tok_s"], row["speedup"], row["acceptance_rate"], None, None]
+        )
     return report

@@ -83,6 +83,9 @@ class DecoderRunner(Runner, Protocol):
     ) -> tuple[jax.Array, Any]:
         """Scores tokens [B, T] (first ``lengths[b]`` real); logits at every position."""
 
+    def lower_verify(self, state: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """``verify``'s program for these inputs, traced, not compiled (the engine's warm-up)."""
+
 
 class EncoderDecoderRunner(Runner, Protocol):
     """An encoder-decoder family (NLLB): sources, target languages, beams' row reorders."""

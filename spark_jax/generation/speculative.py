@@ -61,7 +61,13 @@ from spark_jax.generation.step import Carry, LoopOptions, pick, run_chunk
 from spark_jax.model import Model
 from spark_jax.models.common import bucket
 from spark_jax.ops.lora import adapter_slot
-from spark_jax.ops.sampling import MAX_LOGPROBS, SamplerBatch, SamplingParams, process_logits
+from spark_jax.ops.sampling import (
+    MAX_LOGPROBS,
+    SamplerBatch,
+    SamplingParams,
+    process_logits,
+    row_gumbel,
+)
 
 __all__ = [
     "DRAFTER_NAMES",
@@ -86,6 +92,10 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance: pure functions of one row's verify logits.
+
+# Folded into a row's key for the rule's acceptance and replacement draws: a stream apart
+# from the sampler's per-index draws, which the bonus token reuses (see ``judge``).
+JUDGE_STREAM = 0x6A75_6467
 
 
 def target_logits(
@@ -121,7 +131,7 @@ def greedy_accept(
 def rejection_sample(
     probs: jax.Array,
     drafts: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     key: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
@@ -129,6 +139,8 @@ def rejection_sample(
 
     probs: f32[K + 1, V], the target's p after the last token and after each draft.
     drafts: i32[K], drawn from draft_probs (f32[K, V], q); the first ``num_drafts`` real.
+    draft_probs None: the drafts are deterministic (q one-hot at each draft, as prompt
+    lookup's), without the [K, V] array of one-hots.
     Draft i is kept with probability min(1, p_i(x) / q_i(x)); the first rejected one is
     replaced by a draw from normalize(max(0, p_n - q_n)); with all kept, the next token is a
     bonus draw from p_n. The tokens then follow p exactly, whatever q is.
@@ -137,13 +149,18 @@ def rejection_sample(
     accept_key, draw_key = jax.random.split(key)
     rows = jnp.arange(k)
     p_draft = probs[rows, drafts]
-    q_draft = draft_probs[rows, drafts]
+    q_draft = jnp.ones_like(p_draft) if draft_probs is None else draft_probs[rows, drafts]
     u = jax.random.uniform(accept_key, (k,))
     ok = (u * q_draft < p_draft) & (rows < num_drafts)  # u < p/q without dividing by q
     n = _accepted_prefix(ok)
-    q_ext = jnp.concatenate([draft_probs, jnp.zeros_like(probs[:1])])
-    q_n = jnp.where(n < num_drafts, q_ext[n], 0.0)
-    residual = jnp.maximum(probs[n] - q_n, 0.0)
+    if draft_probs is None:  # max(0, p_n - one_hot(x_n)) is p_n without the rejected x_n
+        x_n = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])[n]
+        rejected = (n < num_drafts) & (jnp.arange(probs.shape[-1]) == x_n)
+        residual = jnp.where(rejected, 0.0, probs[n])
+    else:
+        q_ext = jnp.concatenate([draft_probs, jnp.zeros_like(probs[:1])])
+        q_n = jnp.where(n < num_drafts, q_ext[n], 0.0)
+        residual = jnp.maximum(probs[n] - q_n, 0.0)
     # A zero residual means p_n == q_n, where rejection has probability zero; guard rounding.
     residual = jnp.where(jnp.sum(residual) > 0, residual, probs[n])
     return n, jax.random.categorical(draw_key, jnp.log(residual)).astype(jnp.int32)
@@ -164,7 +181,7 @@ class Verdict(NamedTuple):
 def judge(
     logits: jax.Array,
     step_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     batch: SamplerBatch,
     token_counts: jax.Array,
@@ -177,12 +194,12 @@ def judge(
 
     logits: [1, T, V] from verify ([1, V] from prefill or decode: T = 1, no drafts).
     step_tokens: i32[1, T], the step's input: the last token, then the drafts (first
-    ``num_drafts`` real). draft_probs: f32[T - 1, V], q. batch: the request's one-row
-    SamplerBatch. token_counts i32[V] and prompt_mask bool[V] before the step; num_generated:
-    tokens output before it; cache_lengths: i32[1] after it. Position t is processed as
-    ``sample`` would process it after t drafts. ``with_top`` fills the top logprobs (a top-k
-    over [T, V]; -inf / -1 otherwise). Everything stays on the device: the host reads only
-    the accepted tokens.
+    ``num_drafts`` real). draft_probs: f32[T - 1, V], q (None: deterministic drafts).
+    batch: the request's one-row SamplerBatch. token_counts i32[V] and prompt_mask bool[V]
+    before the step; num_generated: tokens output before it; cache_lengths: i32[1] after it.
+    Position t is processed as ``sample`` would process it after t drafts. ``with_top`` fills
+    the top logprobs (a top-k over [T, V]; -inf / -1 otherwise). Everything stays on the
+    device: the host reads only the accepted tokens.
     """
     vocab = logits.shape[-1]
     logits = logits.reshape(-1, vocab)
@@ -199,8 +216,15 @@ def judge(
         logits, rows, counts, mask, num_generated + jnp.arange(steps)
     )
     probs = jax.nn.softmax(processed, axis=-1)
-    key = jax.random.fold_in(batch.keys[0], num_generated)
-    sampled = rejection_sample(probs, drafts, draft_probs, num_drafts, key)
+    key = jax.random.fold_in(jax.random.fold_in(batch.keys[0], JUDGE_STREAM), num_generated)
+    kept, replacement = rejection_sample(probs, drafts, draft_probs, num_drafts, key)
+    # With every draft kept, the bonus token is ``sample``'s own draw of that output index
+    # (Gumbel-max with the same noise): a row without drafts picks what a decode step would,
+    # so a request's tokens do not depend on whether its batch speculated.
+    index = (num_generated + kept)[None]
+    noise = row_gumbel(batch.keys[:1], index, vocab)[0]
+    bonus = jnp.argmax(processed[kept] + noise).astype(jnp.int32)
+    sampled = (kept, jnp.where(kept < num_drafts, replacement, bonus))
     greedy = greedy_accept(greedy_tokens, drafts, num_drafts)
     is_sampled = batch.temperature[0] > 0
     n = jnp.where(is_sampled, sampled[0], greedy[0])
@@ -229,7 +253,7 @@ def judge(
 def judge_rows(
     logits: jax.Array,
     step_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     num_drafts: jax.Array,
     batch: SamplerBatch,
     token_counts: jax.Array,
@@ -238,8 +262,8 @@ def judge_rows(
     cache_lengths: jax.Array,
     with_top: bool = False,
 ) -> Verdict:
-    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V],
-    num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
+    """``judge`` of every row: logits [B, T, V], step_tokens [B, T], draft_probs [B, T - 1, V]
+    (or None), num_drafts [B], a B-row batch, token_counts [B, V], prompt_mask [B, V], num_generated
     [B], cache_lengths [B]; each field of the verdict gains a leading B axis."""
 
     def one(logits, tokens, q, n, row, counts, mask, generated, length):
@@ -311,7 +335,7 @@ class Proposal(NamedTuple):
 
     logits: jax.Array  # [B, T, V]
     drafts: jax.Array  # int32[B, K]
-    draft_probs: jax.Array | None  # f32[B, K, V] q, or None (greedy)
+    draft_probs: jax.Array | None  # f32[B, K, V] q, or None (greedy, or deterministic drafts)
     num_drafts: jax.Array  # int32[B]: real drafts of each row (0 for inactive rows)
     hidden: jax.Array | None  # [B, T, D] the target's states (a drafter asked for them)
 
@@ -392,9 +416,7 @@ class Speculation:
             lengths = target.lengths - limit + n  # verify kept the last token and each draft
             top = (record.logprobs, record.top_logprobs, record.top_ids)
         else:
-            vocab = proposal.logits.shape[-1]
-            q = proposal.draft_probs
-            q = jnp.zeros((*proposal.drafts.shape, vocab), jnp.float32) if q is None else q
+            q = proposal.draft_probs  # None: deterministic drafts (judge's one-hot q)
             verdict = judge_rows(
                 proposal.logits, step_tokens, q, limit, rows.sampler, carry.picker,
                 rows.prompt_mask, carry.num_generated, target.lengths, self.with_top,

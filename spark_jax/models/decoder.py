@@ -582,6 +582,19 @@ class Runner:
         lora = self._lora(adapters)
         return verify(self.params, self.config, tokens, lengths, state, lora, options=self.options)
 
+    def lower_verify(
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        adapters: Sequence[int] | None = None,
+    ) -> jax.stages.Lowered:
+        """``verify``'s program for these inputs, traced but neither compiled nor run."""
+        lora = self._lora(adapters)
+        return verify.lower(
+            self.params, self.config, tokens, lengths, state, lora, options=self.options
+        )
+
     def lora_input(self, adapters: Sequence[int]) -> Any:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,
         with ``self.params``)."""

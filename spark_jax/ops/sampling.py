@@ -574,8 +574,10 @@ class SampleOutput(NamedTuple):
     top_ids: jax.Array  # i32[B, MAX_LOGPROBS]; -1 pads
 
 
-def _row_gumbel(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
-    """Gumbel noise [B, V]: row i uses fold_in(keys[i], steps[i]) and nothing else."""
+def row_gumbel(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise [B, V]: row i uses fold_in(keys[i], steps[i]) and nothing else (the draw
+    of output index steps[i]: speculative decoding's bonus draw reuses it, so a row with no
+    drafts draws what ``sample`` would)."""
 
     def one_row(key: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
@@ -683,7 +685,7 @@ def sample(
     logits, greedy_tokens = process_logits(
         logits, batch, token_counts, prompt_mask, num_generated, passes
     )
-    noise = _row_gumbel(batch.keys, num_generated, logits.shape[-1])
+    noise = row_gumbel(batch.keys, num_generated, logits.shape[-1])
     sampled_tokens = jnp.argmax(logits + noise, axis=-1)  # Gumbel-max = categorical draw
     tokens = jnp.where(batch.temperature > 0, sampled_tokens, greedy_tokens).astype(jnp.int32)
 

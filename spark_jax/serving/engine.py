@@ -26,10 +26,27 @@ its prefill or decoded, and the host then checks stops and streams the deltas.
   the ``BeamResult`` (HF's beam search returns only finished hypotheses: nothing streams).
   No prefix caching: a source is encoded whole, and its cross-attention keys are its own.
 
+Speculative decoding (a decoder-only engine built with ``speculative_config``, vLLM's:
+``{"method": "ngram", "num_speculative_tokens": K}``; ``spark_jax.serving.speculation``):
+before each step the engine drafts up to K tokens for every speculative decoding row by
+prompt lookup over the request's own tokens; the scheduler reserves their keys' pages; the
+step verifies every decode row at once (K + 1 positions each; a row with no drafts decodes
+in it as usual) and each row keeps its own number of drafts by the speculative rule (greedy:
+those equal to the argmax, so the output is the engine's without speculation; sampled: the
+rejection rule, so it follows the same distribution). Rejected drafts are rolled back by
+lowering the row's length and giving back the pages past it. Every request speculates but
+those that opt out (``add_request(..., speculative=False)``) and guided ones (a draft's token
+mask needs the draft before it); a step with a guided decoding row drafts for nobody. The
+kept tokens go through the request's one stop rule, token by token, so a row never emits
+past a stop id, stop string or max_tokens. ``metrics()`` counts the drafts verified and kept.
+
 Host and device overlap: a step dispatches its device work and then reads the tokens of the
 step before, which ran meanwhile (each slot's last token stays on the device as the next
 decode input). Stops are therefore seen one step late: a row that stopped was decoded once
 more, and that token is dropped; a request's output is exactly what it is without overlap.
+A speculative row's drafts need its last tokens, so while one has a step in flight that step
+is read before the next is planned (as for guided rows): speculation trades the overlap for
+several tokens per step.
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +87,7 @@ from spark_jax.serving.executor import (
 )
 from spark_jax.serving.pages import PageAllocator
 from spark_jax.serving.scheduler import ChunkBudget, Scheduler, SequenceState, pow2_ladder
+from spark_jax.serving.speculation import SpeculativeConfig
 from spark_jax.serving.warmup import warmup
 
 MIN_CHUNK = 16  # the decoder's smallest prefill bucket: chunk ladders start here
@@ -111,6 +129,8 @@ class EngineMetrics:
     cached_prompt_tokens: int  # tokens the prefix cache had instead
     generation_tokens: int  # tokens generated (read back)
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of those, kept
 
 
 class _Request:
@@ -166,6 +186,10 @@ class Engine:
         compiles one program per power-of-two source length up to it.
     max_num_beams: the beam lane's widest request (default: 8, at most max_num_seqs); the
         lane has ``max_num_seqs`` cache rows of its own (waiting requests wait for rows).
+
+    speculative_config (decoder-only): vLLM's dict, e.g. ``{"method": "ngram",
+        "num_speculative_tokens": 4}`` (see ``spark_jax.serving.speculation`` for the keys);
+        None: no speculation.
     """
 
     def __init__(
@@ -186,6 +210,7 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         max_source_len: int | None = None,
         max_num_beams: int | None = None,
+        speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
     ):
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
@@ -208,6 +233,15 @@ class Engine:
                 "prefix caching does not apply to an encoder-decoder model (its sources are "
                 "encoded whole and their keys are their own); leave enable_prefix_caching out."
             )
+        if encoder_decoder and speculative_config is not None:
+            raise ValueError(
+                "speculative decoding applies to decoder-only models; leave "
+                "speculative_config out for an encoder-decoder model."
+            )
+        self.speculative = (
+            None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
+        )
+        self._drafter = None if self.speculative is None else self.speculative.drafter()
         self.enable_prefix_caching = (
             not encoder_decoder if enable_prefix_caching is None else enable_prefix_caching
         )
@@ -233,6 +267,8 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._in_flight: list[Picks] = []  # the last dispatched step's picks, not yet read
         self._generated = 0  # tokens read back
+        self._drafted = 0  # speculative drafts verified
+        self._accepted = 0  # of those, kept
         self._pending: list[RequestOutput] = []  # outputs made outside a step (aborts, errors)
         self._next_id = 0
         self._lock = threading.RLock()
@@ -298,6 +334,7 @@ class Engine:
             max_pages_per_seq,
             pow2_ladder(low, max_pages_per_seq),
             widths,
+            0 if self.speculative is None else self.speculative.num_speculative_tokens,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",
@@ -402,8 +439,17 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queues a request; returns its id. Bad requests are refused here, before any work."""
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        speculative: bool = True,
+    ) -> int:
+        """Queues a request; returns its id. Bad requests are refused here, before any work.
+
+        ``speculative=False``: the request decodes one token per step even when the engine
+        speculates (it still shares the verify steps, as a row without drafts)."""
         params = SamplingParams(temperature=0.0) if params is None else params
         prompt, guide = self._check(prompt_ids, params)
         adapter = adapter_slot(self.runner.lora_pool, params.adapter)  # unknown names fail here
@@ -415,9 +461,10 @@ class Engine:
             out = RequestState(
                 request_id, prompt, params, self.model.eos_token_ids, self.model.tokenizer, guide
             )
+            drafts = speculative and self.speculative is not None and guide is None
             seq = SequenceState(
                 request_id, prompt, out.tokens, params, adapter, params.max_tokens,
-                params.adapter, guide,
+                params.adapter, guide, drafts,
             )  # fmt: skip
             self._requests[request_id] = _Request(seq, out)
             self.scheduler.add(seq)
@@ -545,6 +592,8 @@ class Engine:
                 cached_prompt_tokens=self.scheduler.num_cached_tokens,
                 generation_tokens=self._generated,
                 num_preemptions=self.scheduler.num_preemptions,
+                num_draft_tokens=self._drafted,
+                num_accepted_tokens=self._accepted,
             )
 
     # -- one step ---------------------------------------------------------------------------
@@ -562,12 +611,15 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         """Dispatches this step, then reads the one before (which ran meanwhile). A guided
-        row's next token mask needs its last token: with one in flight, that step is read
-        first, so guided rows take one step per read (free rows in the batch too)."""
+        row's next token mask and a speculative row's drafts need its last token: with one in
+        flight, that step is read first, so such rows take one step per read (the other
+        rows in the batch too)."""
         outputs: list[RequestOutput] = []
-        if any(s.guide is not None and s.in_flight for s in self.scheduler.running()):
+        running = self.scheduler.running()
+        if any((s.guide is not None or s.speculative) and s.in_flight for s in running):
             previous, self._in_flight = self._in_flight, []
             outputs = [out for picks in previous for out in self._read(picks)]
+        self._draft()
         plan = self.scheduler.plan()
         dispatched: list[Picks] = []
         if not plan.empty:
@@ -592,21 +644,49 @@ class Engine:
                 outputs.append(self._emit(seq, host, row))
         return outputs
 
+    def _draft(self) -> None:
+        """Each speculative decoding row's drafts for this step, by prompt lookup over its
+        own tokens (all read: see ``_step``), as many as its output has room for after the
+        target's token; none in a step with a guided decoding row (the verify step applies
+        no token masks)."""
+        if self._drafter is None:
+            return
+        rows = [s for s in self.scheduler.running() if not s.prefilling]
+        if any(s.guide is not None for s in rows):
+            return
+        k = self.speculative.num_speculative_tokens
+        for seq in rows:
+            room = min(k, seq.max_new - seq.num_scheduled - 1)
+            if seq.speculative and room > 0 and not seq.in_flight:
+                seq.drafts = self._drafter.propose(seq.tokens, room).tokens
+
     def _emit(self, seq: SequenceState, host: HostTokens, row: int) -> RequestOutput:
+        """The row's tokens (one, or a verify step's kept drafts and the target's token)
+        through the request's stop rule, one by one: none past a stop is emitted."""
         request = self._requests[seq.id]
-        token = int(host.tokens[row])
         n = seq.params.logprobs
-        lp = None if n is None else token_logprobs(host, row, None, n)
-        delta = request.out.add(token, lp)
-        self._generated += 1
+        tokens, logprobs, delta = [], [], ""
+        for token, at in host.row_tokens(row):
+            lp = None if n is None else token_logprobs(host, row, at, n)
+            delta += request.out.add(token, lp)
+            tokens.append(token)
+            logprobs += [] if lp is None else [lp]
+            if request.out.finished:
+                break
+        self._generated += len(tokens)
+        if host.num_accepted is not None:
+            self._drafted += int(host.num_drafts[row])
+            self._accepted += int(host.num_accepted[row])
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        logprobs = None if lp is None else [lp]
+        lps = logprobs if n is not None else None
         if not request.out.finished:
-            return RequestOutput(seq.id, [token], delta, logprobs=logprobs)
+            if host.num_accepted is not None and seq.speculative:
+                self.scheduler.accept(seq, int(host.num_accepted[row]))
+            return RequestOutput(seq.id, tokens, delta, logprobs=lps)
         self.scheduler.remove(seq)  # waiting if preempted while its last token was in flight
         del self._requests[seq.id]
-        return RequestOutput(seq.id, [token], delta, True, request.result(), logprobs)
+        return RequestOutput(seq.id, tokens, delta, True, request.result(), lps)
 
     def _beam_step(self) -> list[RequestOutput]:
         """One chunk of search steps of every running beam request; their finished results."""

@@ -8,7 +8,12 @@ next step's decode reads it, so the engine reads a step's tokens while the next 
 
 - ``PagedExecutor``: a decoder-only model over a paged KV cache. The decode step runs only
   the decoding rows, packed into the smallest width of a ladder (1, 2, 4, ... slots) that
-  holds them. The host block table moves with the sequences' pages; on the GPU the decode
+  holds them. With speculation (``num_speculative_tokens`` K > 0), a step where some row
+  has drafts is a verify step instead: the same rows, K + 1 positions each (the last token,
+  then the row's drafts, padding after; a row without drafts is a plain decode row in it),
+  judged by the speculative rule (``speculative.Speculation``: greedy rows keep the drafts
+  equal to the argmax, sampled rows the rejection rule), each row keeping its own number.
+  The host block table moves with the sequences' pages; on the GPU the decode
   step's attention reads each row's pages in place (cuDNN's paged attention), elsewhere it
   gathers the rows and the table's width (the longest row, in pages) moves on a ladder so
   the gather stays short.
@@ -35,6 +40,7 @@ import numpy as np
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
 from spark_jax.generation.guided import bitmask_width, fill_bitmask
+from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, SpecState, Speculation
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
@@ -85,12 +91,26 @@ def _set_row(token_counts, prompt_mask, by_slot, slot, counts_row, mask_row, set
 
 @dataclass
 class HostTokens:
-    """One step's picks on the host, indexed by slot (the logprob fields when asked for)."""
+    """One step's picks on the host, by row (the logprob fields when asked for).
+
+    A plain step's fields are [B, ...]; a verify step's are [B, T, ...] (T = K + 1 positions:
+    the kept drafts, then the target's token), with each row's kept and verified drafts.
+    """
 
     tokens: np.ndarray
     logprobs: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None
+    num_accepted: np.ndarray | None = None  # int[B]: a verify step's kept drafts
+    num_drafts: np.ndarray | None = None  # int[B]: a verify step's verified drafts
+
+    def row_tokens(self, row: int) -> list[tuple[int, int | None]]:
+        """(token, position) of each token row ``row`` picked, in order (position None: a
+        plain step's one token), as ``request.token_logprobs`` indexes them."""
+        if self.num_accepted is None:
+            return [(int(self.tokens[row]), None)]
+        n = int(self.num_accepted[row])
+        return [(int(self.tokens[row, i]), i) for i in range(n + 1)]
 
 
 @dataclass(frozen=True)
@@ -189,6 +209,72 @@ class Picks:
         # Whole fields, sliced here: slicing on the device would be a program of its own.
         host = jax.device_get([getattr(self.record, f) for f in fields])
         return HostTokens(*(np.asarray(x[:, 0]) for x in host))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _Lengths:
+    """The cache lengths as the speculative rule reads them (the engine keeps its lengths on
+    the host, so the rolled-back ones the rule returns are not read)."""
+
+    lengths: jax.Array
+
+    def with_lengths(self, lengths: jax.Array) -> _Lengths:
+        return _Lengths(lengths)
+
+
+@partial(jax.jit, static_argnames=("rule",), donate_argnames=("counts",))
+def _judge_rows(
+    rule: Speculation,
+    logits: jax.Array,
+    drafts: jax.Array,
+    num_drafts: jax.Array,
+    row_slots: jax.Array,
+    active: jax.Array,
+    num_generated: jax.Array,
+    by_slot: SampleRows,
+    counts: jax.Array,
+    last_tokens: jax.Array,
+) -> tuple[jax.Array, jax.Array, SpecRecord]:
+    """The speculative rule's verdict on rows ``row_slots[b]`` of a verify step's logits
+    [b, K + 1, V] over their drafts [b, K] (the first ``num_drafts[b]`` real; deterministic,
+    so q is one-hot): the counts and last tokens (the target's token after the kept drafts)
+    written back to the slots, as ``_pick_rows`` does."""
+    take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
+    settings = jax.tree.map(take, by_slot)
+    b, k = drafts.shape
+    rows = SpecRows(
+        settings.sampler, settings.prompt_mask, settings.max_tokens, num_drafts,
+        jnp.zeros((b, 2), jnp.uint32), drafts, jnp.zeros((b, k, 1), jnp.float32),
+    )  # fmt: skip
+    state = SpecState(_Lengths(jnp.zeros((b,), jnp.int32)), None)
+    carry = Carry(state, take(last_tokens), active, num_generated, take(counts))
+    proposal = Proposal(logits, drafts, None, num_drafts, None)
+    carry, record = rule.advance(proposal, carry, rows, rule.empty_record(carry, rows, 1), 0)
+    counts = counts.at[row_slots].set(carry.picker, mode="drop")
+    last_tokens = last_tokens.at[row_slots].set(carry.tokens, mode="drop")
+    return counts, last_tokens, record
+
+
+@dataclass
+class VerifyPicks(Picks):
+    """A verify step's verdict (a ``SpecRecord``), still on the device, by row."""
+
+    record: SpecRecord
+
+    def read(self) -> HostTokens:
+        want = any(s is not None and s.params.logprobs is not None for s in self.seqs)
+        fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
+        counts = ("num_accepted", "num_drafts")
+        host = jax.device_get([getattr(self.record, f) for f in fields + counts])
+        by_name = dict(zip(fields + counts, (np.asarray(x[:, 0]) for x in host), strict=True))
+        return HostTokens(**by_name)
+
+
+@jax.jit
+def _verify_inputs(last_tokens: jax.Array, row_slots: jax.Array, drafts: jax.Array) -> jax.Array:
+    """Each verify row's input [b, K + 1]: its slot's last token, then its drafts [b, K]."""
+    return jnp.concatenate([_gather_tokens(last_tokens, row_slots)[:, None], drafts], axis=1)
 
 
 class SlotPicker:
@@ -309,6 +395,39 @@ class SlotPicker:
             self.last_tokens,
         )
 
+    def judge(
+        self,
+        logits: jax.Array,
+        seqs: list[SequenceState | None],
+        device_rows: tuple[jax.Array, ...],
+    ) -> VerifyPicks:
+        """The verdict on a verify step's rows (``device_rows``: their drafts, draft counts,
+        slots, activity and generated counts, uploaded); no row of it is guided."""
+        want = any(s is not None and s.params.logprobs is not None for s in seqs)
+        rule = Speculation(logits.shape[1] - 1, None, greedy=False, with_top=want)
+        self.counts, self.last_tokens, record = _judge_rows(
+            rule, logits, *device_rows, self.by_slot(), self.counts, self.last_tokens
+        )
+        return VerifyPicks(record, seqs)
+
+    def warm_judge(self, logits: jax.Array) -> None:
+        """Runs the verdict programs (with and without logprobs) on a verify step's logits
+        [b, K + 1, V] of no row."""
+        b, t = logits.shape[:2]
+        host = (
+            np.zeros((b, t - 1), np.int32),
+            np.zeros((b,), np.int32),
+            np.full((b,), self.num_slots, np.int32),
+            np.zeros((b,), bool),
+            np.zeros((b,), np.int32),
+        )
+        for want in (False, True):
+            rule = Speculation(t - 1, None, greedy=False, with_top=want)
+            self.counts, self.last_tokens, _ = _judge_rows(
+                rule, logits, *jax.device_put(host), self.by_slot(), self.counts,
+                self.last_tokens,
+            )  # fmt: skip
+
     def _allowed(self, seqs: list[SequenceState | None]) -> jax.Array:
         """The rows' token masks: their guides', all ones for free rows (one stored array per
         row count when no row is guided)."""
@@ -378,9 +497,11 @@ class PagedExecutor:
         max_pages_per_seq: int,
         width_ladder: list[int],
         decode_widths: list[int],
+        num_speculative_tokens: int = 0,
     ):
         c = model.config
         self.runner = model.runner
+        self.num_speculative_tokens = num_speculative_tokens  # K: 0 runs no verify step
         self.adapter_rows_change_the_program = bool(self.runner.adapter_rows_change_the_program)
         self.num_slots = num_slots
         self.num_pages = num_pages
@@ -439,7 +560,8 @@ class PagedExecutor:
         return picks
 
     def _decode(self, rows: list[SequenceState]) -> Picks:
-        """The decoding rows packed at the lowest decode width that holds them."""
+        """The decoding rows packed at the lowest decode width that holds them (a verify
+        step when one of them has drafts)."""
         b = rung(self.decode_widths, len(rows))
         self.decode_steps_by_width[b] += 1
         width = rung(self.width_ladder, max(len(s.pages) for s in rows))
@@ -453,16 +575,47 @@ class PagedExecutor:
         generated = np.zeros((b,), np.int32)
         generated[: len(rows)] = [s.num_scheduled for s in rows]
         adapters = [s.adapter for s in rows] + [-1] * (b - len(rows))
+        seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
+        for seq in rows:
+            self.table.lengths[seq.slot] += 1
+        if any(s.drafts for s in rows):
+            host = (row_slots, table, lengths, active, generated)
+            return self._verify(rows, seqs, host, adapters)
         # One transfer for the step's host inputs: each upload is a dispatch of its own.
         host = (row_slots, table, lengths, active, generated)
         row_slots, table, lengths, active, generated = jax.device_put(host)
         state = self.state.with_block_table(table).with_lengths(lengths)
         tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
         logits, self.state = self.runner.decode(state, tokens, active, **self._lora(adapters))
-        for seq in rows:
-            self.table.lengths[seq.slot] += 1
-        seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
         return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
+
+    def _verify(
+        self,
+        rows: list[SequenceState],
+        seqs: list[SequenceState | None],
+        host: tuple[np.ndarray, ...],
+        adapters: list[int],
+    ) -> VerifyPicks:
+        """The decode rows' verify step: each row's last token and drafts at its positions
+        (the scheduler reserved their pages), then the verdict. The host's lengths count the
+        last token only: the kept drafts join when the verdict is read."""
+        row_slots, table, lengths, active, generated = host
+        k = self.num_speculative_tokens
+        drafts = np.zeros((len(seqs), k), np.int32)
+        num_drafts = np.zeros((len(seqs),), np.int32)
+        for i, seq in enumerate(rows):
+            drafts[i, : len(seq.drafts)] = seq.drafts
+            num_drafts[i] = len(seq.drafts)
+        real = active.astype(np.int32) + num_drafts  # tokens verified per row
+        host = (row_slots, table, lengths, active, generated, drafts, num_drafts, real)
+        row_slots, table, lengths, active, generated, drafts, num_drafts, real = jax.device_put(
+            host
+        )
+        state = self.state.with_block_table(table).with_lengths(lengths)
+        tokens = _verify_inputs(self.sampler.last_tokens, row_slots, drafts)
+        logits, self.state = self.runner.verify(state, tokens, real, **self._lora(adapters))
+        device_rows = (drafts, num_drafts, row_slots, active, generated)
+        return self.sampler.judge(logits, seqs, device_rows)
 
     def _prefill(self, plan: StepPlan) -> list[Picks]:
         """Runs the chunks; the rows that end their prefill are picked from their logits."""
@@ -492,6 +645,10 @@ class PagedExecutor:
         """Every decode width x block-table width and (rows, chunk) prefill batch, run on
         rows out of range."""
         steps = [WarmStep("decode", (b, w)) for b in self.decode_widths for w in self.width_ladder]
+        if self.num_speculative_tokens:
+            steps += [
+                WarmStep("verify", (b, w)) for b in self.decode_widths for w in self.width_ladder
+            ]
         steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
         return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
@@ -504,16 +661,22 @@ class PagedExecutor:
         return _lower(self, step)
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
-        if step.kind == "decode":  # no active row, over an empty block table
+        if step.kind in ("decode", "verify"):  # no active row, over an empty block table
             b, width = step.shape
             empty = upload(np.full((b, width), self.num_pages, np.int32))
             state = self.state.with_block_table(empty).with_lengths(
                 upload(np.zeros((b,), np.int32))
             )
+            lora = self._lora(_warm_adapters(b, step.adapted))
+            slots = upload(np.zeros((b,), np.int32))
+            if step.kind == "verify":  # its inputs as a run makes them
+                drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
+                tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
+                return (state, tokens, upload(np.zeros((b,), np.int32))), lora
             # The decode's input tokens as a run gathers them.
-            tokens = _gather_tokens(self.sampler.last_tokens, upload(np.zeros((b,), np.int32)))
+            tokens = _gather_tokens(self.sampler.last_tokens, slots)
             active = upload(np.zeros((b,), bool))
-            return (state, tokens, active), self._lora(_warm_adapters(b, step.adapted))
+            return (state, tokens, active), lora
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
@@ -524,8 +687,9 @@ class PagedExecutor:
 def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stages.Lowered:
     """A warm-up step's program (inputs made as a run makes them)."""
     args, kwargs = executor.warm_inputs(step)
-    lower = executor.runner.lower_decode if step.kind == "decode" else executor.runner.lower_prefill
-    return lower(*args, **kwargs)
+    runner = executor.runner
+    lower = {"decode": runner.lower_decode, "prefill": runner.lower_prefill}.get(step.kind)
+    return (lower or runner.lower_verify)(*args, **kwargs)
 
 
 def _warm_adapters(rows: int, adapted: bool) -> list[int]:
@@ -538,14 +702,21 @@ def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmSte
     every logits shape they give and the decode's token gather."""
     runner, sampler = executor.runner, executor.sampler
     shapes: dict[int, jax.Array] = {}
+    verified: dict[int, jax.Array] = {}
     for step in [s for s in steps if not s.adapted]:
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
             logits, executor.state = runner.decode(*args, **kwargs)
+        elif step.kind == "verify":
+            logits, executor.state = runner.verify(*args, **kwargs)
+            verified[logits.shape[0]] = logits
+            continue
         else:
             logits, executor.state = runner.prefill(*args, **kwargs)
         shapes[logits.shape[0]] = logits
     sampler.warm(list(shapes.values()))
+    for logits in verified.values():
+        sampler.warm_judge(logits)
 
 
 class DenseExecutor:

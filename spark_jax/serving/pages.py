@@ -158,7 +158,9 @@ class BlockTable:
     """Each slot's pages (``num_pages``: no page) and cached length, as the device reads them.
 
     ``sync`` rewrites only what changed since the last call: rows whose owner changed
-    (an admission is told apart by its admission number) or whose page list grew.
+    (an admission is told apart by its admission number) or whose page list grew or shrank
+    (a speculative row gives back its rejected drafts' pages: their entries must read
+    ``none`` again, or the row's padding keys would land in a page another row now owns).
     """
 
     def __init__(self, num_slots: int, max_pages_per_seq: int, num_pages: int):
@@ -179,6 +181,7 @@ class BlockTable:
         for slot, seq in owners.items():
             _, written = self._written.get(slot, (seq.admitted, 0))
             if written != len(seq.pages):
-                self.pages[slot, written : len(seq.pages)] = seq.pages[written:]
+                self.pages[slot, len(seq.pages) : written] = self.none  # shrank: unowned
+                self.pages[slot, written : len(seq.pages)] = seq.pages[written:]  # grew
                 self._written[slot] = (seq.admitted, len(seq.pages))
             self.lengths[slot] = seq.num_computed

@@ -7,6 +7,9 @@ A ``Scheduler`` holds the waiting queue and the slots of the running sequences; 
    With a page pool, a row whose next key starts a new page gets one; when none is free the
    newest running sequence is preempted (its slot and pages freed, back to the head of the
    queue, to be recomputed from prompt + generated tokens; its generated tokens are kept).
+   A speculative row (its ``drafts`` set by the engine before ``plan``) also needs the keys
+   of its drafts: it gets their pages while some are free, and its drafts are cut to the
+   pages it got (drafts never preempt anyone), and to ``max_num_batched_tokens``.
 2. prefill: sequences still reading their prompt advance by one chunk, then waiting
    sequences are admitted first come, first served, when a slot (and, with a pool, the pages
    of everything they must compute) is free. A step that preempted admits nobody.
@@ -23,7 +26,9 @@ sequence whose tokens start with cached full pages takes them and computes only 
 least its last token, whose logits it samples); its own full pages are registered as their
 keys get computed (``register_pages``).
 
-``advance(plan)`` records what a step computed once it is dispatched. The engine reads a
+``advance(plan)`` records what a step computed once it is dispatched (a speculative row: its
+last token's key; ``accept`` adds its kept drafts once they are read, and gives back the
+pages of the rejected ones: rolling back is lowering the computed length). The engine reads a
 step's tokens after dispatching the next one, so a sequence may have tokens in flight
 (``in_flight``): it is not decoded past its ``max_new`` tokens, and a preempted one is
 re-admitted only once its tokens are all read.
@@ -71,6 +76,7 @@ class SequenceState:
         max_new: int = 1 << 62,
         cache_salt: str | None = None,
         guide: Any = None,
+        speculative: bool = False,
     ):
         self.id = seq_id
         self.prompt = list(prompt)
@@ -84,6 +90,8 @@ class SequenceState:
         self.num_registered = 0  # its pages registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens its last admission found in the cache
         self.guide = guide  # the guided-decoding matcher (generation.guided), or None
+        self.speculative = speculative  # the engine drafts for it
+        self.drafts: list[int] = []  # this step's proposed tokens (set before plan)
         self.slot: int | None = None
         self.pages: list[int] = []
         self.num_computed = 0  # tokens whose keys are in the cache
@@ -258,10 +266,12 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """This step's rows; admits and preempts as it goes (see the module docstring)."""
         plan = StepPlan()
+        self._cut_drafts_to_budget()
         self._plan_decode(plan)
         budget = self.chunks.max_batch_tokens if self.chunks is not None else 0
         if self.max_num_batched_tokens is not None:
-            budget = min(budget, self.max_num_batched_tokens - len(plan.decode))
+            decoded = sum(1 + len(s.drafts) for s in plan.decode)
+            budget = min(budget, self.max_num_batched_tokens - decoded)
         self._plan_prefill(plan, not plan.preempted, budget)
         if plan.prefill:
             plan.prefill_rows = rung(self.row_ladder, len(plan.prefill))
@@ -274,7 +284,8 @@ class Scheduler:
         """Records the keys a step puts in the cache and the tokens it samples, once it is
         dispatched; registers the prefilled pages in the prefix cache."""
         for seq in plan.decode:
-            seq.num_computed += 1
+            seq.num_computed += 1  # the last token; a speculative row's drafts: ``accept``
+            seq.drafts = []
         for row in plan.prefill:
             row.seq.num_computed = row.start + row.length
             self.num_prefilled_tokens += row.length
@@ -294,11 +305,37 @@ class Scheduler:
                 self.pages.register(seq.pages[j], keys[j])
             seq.num_registered = full
 
+    def accept(self, seq: SequenceState, num_accepted: int) -> None:
+        """A read speculative step kept ``num_accepted`` drafts of ``seq``: their keys are
+        computed; the pages past the next key (the rejected drafts') go back to the pool."""
+        seq.num_computed += num_accepted
+        if self.pages is not None and seq.slot is not None:
+            keep = self.pages_for(seq.num_computed + 1)
+            if len(seq.pages) > keep:
+                self.pages.free(seq.pages[keep:])
+                seq.pages = seq.pages[:keep]
+
+    def _cut_drafts_to_budget(self) -> None:
+        """Drafts, newest rows' first, cut so the decode rows leave a prefill chunk room
+        within ``max_num_batched_tokens``."""
+        rows = [s for s in self.running() if not s.prefilling and s.num_scheduled < s.max_new]
+        if self.max_num_batched_tokens is None or not any(s.drafts for s in rows):
+            return
+        least = self.chunks.chunk_ladder[0] if self.chunks is not None else 0
+        over = sum(1 + len(s.drafts) for s in rows) - (self.max_num_batched_tokens - least)
+        for seq in reversed(rows):
+            if over <= 0:
+                return
+            cut = min(over, len(seq.drafts))
+            seq.drafts = seq.drafts[: len(seq.drafts) - cut]
+            over -= cut
+
     def _plan_decode(self, plan: StepPlan) -> None:
         for seq in [s for s in self.running() if not s.prefilling]:
             if seq.slot is None:  # preempted for an older sequence in this loop
                 continue
             if seq.num_scheduled >= seq.max_new:  # its last token is in flight
+                seq.drafts = []
                 continue
             if self.pages is not None and seq.num_computed // self.page_size >= len(seq.pages):
                 while self.pages.num_free == 0 and seq.slot is not None:
@@ -306,7 +343,18 @@ class Scheduler:
                 if seq.slot is None:
                     continue
                 seq.pages += self.pages.allocate(1)
+            if seq.drafts and self.pages is not None:
+                self._reserve_draft_pages(seq)
             plan.decode.append(seq)
+
+    def _reserve_draft_pages(self, seq: SequenceState) -> None:
+        """Pages for the keys of ``seq``'s drafts, while some are free; the drafts are cut to
+        the positions its pages hold."""
+        assert self.pages is not None
+        need = self.pages_for(seq.num_computed + 1 + len(seq.drafts)) - len(seq.pages)
+        seq.pages += self.pages.allocate(min(max(need, 0), self.pages.num_free))
+        room = len(seq.pages) * self.page_size - seq.num_computed - 1
+        seq.drafts = seq.drafts[:room]
 
     def _plan_prefill(self, plan: StepPlan, admit: bool, budget: int) -> None:
         rows = plan.prefill
@@ -378,6 +426,7 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> SequenceState:
         self.release(seq)
+        seq.drafts = []
         seq.num_computed = seq.prefill_target = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
