@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
 from spark_jax.generation.guided import bitmask_width, fill_bitmask
@@ -40,7 +40,7 @@ from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
-from spark_jax.ops.sharding import replicated
+from spark_jax.ops.sharding import TP_AXIS, replicated
 from spark_jax.serving.pages import BlockTable
 from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
 
@@ -56,6 +56,11 @@ def commit(tree: Any, mesh: Mesh | None = None) -> Any:
     that changed status after warm-up would compile again.
     """
     return jax.device_put(tree, jax.devices()[0] if mesh is None else replicated(mesh))
+
+
+def vocab_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows [slots, V] split by vocab over a tensor-parallel mesh (as the logits are)."""
+    return NamedSharding(mesh, PartitionSpec(None, TP_AXIS))
 
 
 def commit_cache(cache: Any, mesh: Mesh | None = None) -> Any:
@@ -219,8 +224,15 @@ class SlotPicker:
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.counts = commit(np.zeros((num_slots, vocab_size), np.int32), mesh)
-        self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool), mesh)
+        # Under tensor parallelism the per-token state is split by vocab like the logits that
+        # update it, so a pick's outputs come back in the sharding warm-up compiled for.
+        by_vocab = mesh is not None and vocab_size % mesh.devices.size == 0
+        if by_vocab:
+            place = partial(jax.device_put, device=vocab_sharding(mesh))
+        else:
+            place = partial(commit, mesh=mesh)
+        self.counts = place(np.zeros((num_slots, vocab_size), np.int32))
+        self.prompt_mask = place(np.zeros((num_slots, vocab_size), bool))
         self.last_tokens = commit(np.zeros((num_slots,), np.int32), mesh)
         # Every slot's settings (prompt mask aside: it is its own array); empty slots sample
         # greedily, unread. Rows change one by one, as owners do.
