@@ -34,7 +34,7 @@ from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary
 from spark_jax.ops.lora import LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, attention_probabilities
-from spark_jax.ops.sharding import split_fused
+from spark_jax.ops.sharding import host_array, split_fused
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it. Q/K/V
@@ -657,4 +657,4 @@ class Runner:
             lora,
             options=self.options,
         )
-        return np.asarray(out[0, : len(ids)], np.float32)
+        return host_array(out)[0, : len(ids)].astype(np.float32)

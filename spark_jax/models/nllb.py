@@ -47,7 +47,7 @@ from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, attention_probabilities
-from spark_jax.ops.sharding import split_fused
+from spark_jax.ops.sharding import host_array, split_fused
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it.
@@ -975,7 +975,7 @@ class NllbRunner:
             self._lora(None if adapter is None else [adapter], 1),
             options=self.options,
         )
-        return np.asarray(out[0, : len(decoder_ids)], np.float32)
+        return host_array(out)[0, : len(decoder_ids)].astype(np.float32)
 
 
 Runner = NllbRunner  # the name ``spark_jax.model.Model`` looks up in every family

@@ -173,3 +173,13 @@ def device_bytes(array: jax.Array) -> dict[jax.Device, int]:
 def holds_full_copy(array: jax.Array) -> bool:
     """True when some device holds as many bytes of ``array`` as the whole array."""
     return any(n >= array.nbytes for n in device_bytes(array).values())
+
+
+def host_array(array: jax.Array) -> np.ndarray:
+    """``array`` as numpy on this host, gathered from every process when it spans devices of
+    others (``jax.distributed``: each host runs the same program and reads the same value)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
