@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spark_jax.config import QuantizationConfig
 from spark_jax.ops.lora import LoraTarget
@@ -356,8 +357,8 @@ class Declaration:
                 leaves.append((p.scale_path, p.scale_shape))
             for path, shape in leaves:
                 by_rows = len(shape) == 2 and shape[0] % shards == 0
-                sharding = named_sharding(mesh, shape, (TP_AXIS, None)) if by_rows else None
-                _get(tree, path[:-1])[path[-1]] = sharding or replicated(mesh)
+                rows = NamedSharding(mesh, PartitionSpec(TP_AXIS, None))
+                _get(tree, path[:-1])[path[-1]] = rows if by_rows else replicated(mesh)
         return tree
 
     def shard_major(
