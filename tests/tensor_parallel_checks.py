@@ -19,9 +19,7 @@ STARTED = time.perf_counter()
 
 MODE = sys.argv[1]
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={8 if MODE == 'single' else 2}"
-)
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'single' else 2}"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
@@ -45,7 +43,7 @@ DECODER = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=64,
-    num_hidden_layers=2,
+    num_hidden_layers=1,
     num_attention_heads=8,
     num_key_value_heads=2,
     head_dim=8,
@@ -72,7 +70,7 @@ def nllb_family():
 
     # 300 tokens: a vocabulary 8 does not divide, so at TP = 8 the table splits by model dim.
     config = t.M2M100Config(
-        vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=2,
+        vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1,
         encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=64,
         decoder_ffn_dim=64, max_position_embeddings=64,
     )  # fmt: skip
