@@ -355,7 +355,11 @@ def load(
         params = restore_params(path / PARAMS_DIR, dtype=dtype)
     else:
         config, params, mesh = load_sharded(path / PARAMS_DIR, config, tensor_parallel, dtype)
-        options = dataclasses.replace(options, implementation="xla", pallas_layer_norm=False)
+        options = dataclasses.replace(
+            options,
+            implementation=TENSOR_PARALLEL_OPTIONS.implementation,
+            pallas_layer_norm=TENSOR_PARALLEL_OPTIONS.pallas_layer_norm,
+        )
     _check_quantized(path, config, params)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -392,6 +396,27 @@ def load_sharded(
     params = restore_params(params_dir, dtype=dtype, shardings=plain.load_shardings(mesh))
     params = plain.shard_major(params, tensor_parallel, laid_out.shardings(mesh))
     return sharded_config, params, mesh
+
+
+def shard_params(
+    config: ModelConfig | NllbConfig, params: Any, tensor_parallel: int
+) -> tuple[ModelConfig | NllbConfig, Any, Mesh]:
+    """An in-memory params tree (random init, benchmarks) sharded as ``load_sharded`` shards
+    a checkpoint: (the config laid out for ``tensor_parallel`` devices, the params, the mesh).
+    Build the model with ``Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)``."""
+    from spark_jax.models import declare
+    from spark_jax.ops.sharding import make_mesh
+
+    sharded_config = config.for_tensor_parallel(tensor_parallel)
+    mesh = make_mesh(tensor_parallel)
+    plain, laid_out = declare(config), declare(sharded_config)
+    params = jax.device_put(params, plain.load_shardings(mesh))
+    params = plain.shard_major(params, tensor_parallel, laid_out.shardings(mesh))
+    return sharded_config, params, mesh
+
+
+# The kernels a tensor-parallel model's steps take (gap: ours do not run per shard yet).
+TENSOR_PARALLEL_OPTIONS = KernelOptions(implementation="xla", pallas_layer_norm=False)
 
 
 def _check_quantized(path: Path, config: Any, params: Any) -> None:
