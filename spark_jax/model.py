@@ -249,6 +249,11 @@ class Model:
         """
         from spark_jax.ops.lora import LoraPool
 
+        if self.mesh is not None:
+            raise ValueError(
+                "LoRA does not run under tensor parallelism yet; load with tensor_parallel=1 "
+                "to serve adapters."
+            )
         with self._lora_lock:
             if self.lora_pool is not None:
                 raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")

@@ -105,16 +105,16 @@ class Param:
     units: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.axes is not None and len(self.axes) != len(self.shape):
-            raise ValueError(f"{self.path}: give one logical axis per dim of {self.shape}.")
-        if self.units is not None and len(self.units) != len(self.hf):
-            raise ValueError(f"{self.path}: give one unit count per HF tensor.")
         if not self.hf or len(self.hf) != len(self.shapes):
             raise ValueError(f"{self.path}: give one HF shape per HF tensor (and at least one).")
         if len({s[1:] for s in self.shapes}) != 1:
             raise ValueError(f"{self.path}: fused parts must agree on all but their first axis.")
         if self.quantization is not None and not (self.transpose and len(self.hf_shape) == 2):
             raise ValueError(f"{self.path}: only [in, out] kernels of linear layers quantize.")
+        if self.axes is not None and len(self.axes) != len(self.shape):
+            raise ValueError(f"{self.path}: give one logical axis per dim of {self.shape}.")
+        if self.units is not None and len(self.units) != len(self.hf):
+            raise ValueError(f"{self.path}: give one unit count per HF tensor.")
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
