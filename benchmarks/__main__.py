@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("fp8",),
         help="decode: also run the batch case with this K/V cache type, beside the float one",
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode: shard the model over the first N devices",
+    )
     parser.add_argument("--tree", default=None, help=argparse.SUPPRESS)  # spark_jax from here
     parser.add_argument("--peer-json", default=None, help=argparse.SUPPRESS)  # child: peer only
     parser.add_argument("--peer-arg", default="", help=argparse.SUPPRESS)
@@ -143,6 +150,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--quantize", *args.quantize]
     if args.kv_cache_dtype:
         out += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.tensor_parallel != 1:
+        out += ["--tensor-parallel", str(args.tensor_parallel)]
     return out
 
 
@@ -159,6 +168,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["quantize"] = tuple(args.quantize)
     if args.kv_cache_dtype:
         out["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel != 1:
+        out["tensor_parallel"] = args.tensor_parallel
     return out
 
 

@@ -94,17 +94,34 @@ def measure(call: Any, repeats: int) -> dict[str, float]:
 
 
 def run(
-    tiny: bool, peer: bool = True, quantize: tuple[str, ...] = (), kv_cache_dtype: str | None = None
+    tiny: bool,
+    peer: bool = True,
+    quantize: tuple[str, ...] = (),
+    kv_cache_dtype: str | None = None,
+    tensor_parallel: int = 1,
 ) -> Report:
+    """``tensor_parallel``: the model sharded over that many devices (``--tensor-parallel``);
+    the figures are then of the sharded model, the peer's of one device."""
     import spark_jax as sj
+    from spark_jax.model import TENSOR_PARALLEL_OPTIONS, shard_params
 
+    if tensor_parallel != 1 and (quantize or kv_cache_dtype):
+        raise ValueError(
+            "--tensor-parallel runs the float model alone; leave out --quantize and "
+            "--kv-cache-dtype."
+        )
     plan = TINY if tiny else FULL
     config, dtype = llama(tiny)
     report = Report()
     hf = peer_figures(tiny) if peer else {"error": "left out (--no-peer)"}
     ceiling = ceilings(tiny)
     params = random_params(config, dtype)
-    model = sj.Model(config, params)
+    if tensor_parallel == 1:
+        model = sj.Model(config, params)
+    else:
+        config, params, mesh = shard_params(config, params, tensor_parallel)
+        model = sj.Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)
+        report.figures["tensor_parallel"] = tensor_parallel
     sampling = sj.SamplingParams(temperature=0.0, max_tokens=plan.new_tokens, ignore_eos=True)
     prompt = random_prompts(config.vocab_size, 1, plan.bs1_prompt, seed=1)[0]
     prompts = random_prompts(config.vocab_size, plan.batch, plan.batch_prompt, seed=2)

@@ -74,8 +74,12 @@ def _tree_metadata(checkpointer: ocp.PyTreeCheckpointer, path: Path) -> Any:
     return getattr(metadata, "tree", metadata)
 
 
-def restore_params(path: str | Path, dtype: Any = None) -> Params:
+def restore_params(path: str | Path, dtype: Any = None, shardings: Any = None) -> Params:
     """Read a params checkpoint onto the default device, optionally cast to ``dtype``.
+
+    ``shardings``: a tree of ``jax.sharding.Sharding`` in the params' shape (tensor
+    parallelism: ``Declaration.load_shardings``); each device then reads only its own shard of
+    each leaf from the checkpoint, so no device holds a whole sharded leaf at any point.
 
     Quantized kernels (one-byte fp8 / int8 leaves) keep their type whatever ``dtype`` is.
 
@@ -87,14 +91,18 @@ def restore_params(path: str | Path, dtype: Any = None) -> Params:
     checkpointer = ocp.PyTreeCheckpointer()
     # The sharding recorded at save time names the saving host's devices (or none, for
     # numpy leaves); restoring onto this process's default device is always valid.
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    metadata = _tree_metadata(checkpointer, path)
+    if shardings is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: single, metadata)
     target = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(
             tuple(leaf.shape),
             np.dtype(leaf.dtype if dtype is None or _is_narrow(leaf.dtype) else dtype),
             sharding=sharding,
         ),
-        _tree_metadata(checkpointer, path),
+        metadata,
+        shardings,
     )
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     return checkpointer.restore(

@@ -154,10 +154,30 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     quantization: QuantizationConfig | None = None  # weight-only; None: the model dtype
+    # Devices the params are laid out for (``for_tensor_parallel``): fused kernels are held
+    # shard-major (spark_jax.ops.sharding); 1 is the checkpoint's layout.
+    tensor_parallel: int = 1
 
     @property
     def is_encoder_decoder(self) -> bool:
         return False
+
+    def for_tensor_parallel(self, shards: int) -> ModelConfig:
+        """This model laid out over ``shards`` devices. With fewer KV heads than shards each
+        shard holds a copy of the one KV head its query heads read, so ``num_kv_heads`` counts
+        the copies (``shards``): the same function of the weights, grouped N / shards."""
+        _check_divides(shards, self.num_heads, "attention heads")
+        _check_divides(shards, self.intermediate_size, "FFN columns (intermediate_size)")
+        if self.num_kv_heads % shards and shards % self.num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel={shards} must divide the {self.num_kv_heads} KV heads or be a "
+                "multiple of them."
+            )
+        if shards == 1:
+            return self
+        return dataclasses.replace(
+            self, num_kv_heads=max(self.num_kv_heads, shards), tensor_parallel=shards
+        )
 
     @property
     def q_size(self) -> int:
@@ -201,14 +221,28 @@ class NllbConfig:
     eos_token_id: int = 2
     decoder_start_token_id: int = 2
     layer_norm_eps: float = 1e-5
+    tensor_parallel: int = 1  # devices the params are laid out for (``for_tensor_parallel``)
 
     @property
     def is_encoder_decoder(self) -> bool:
         return True
 
+    def for_tensor_parallel(self, shards: int) -> NllbConfig:
+        """This model laid out over ``shards`` devices (fused kernels shard-major)."""
+        for heads in (self.encoder_attention_heads, self.decoder_attention_heads):
+            _check_divides(shards, heads, "attention heads")
+        for ffn in (self.encoder_ffn_dim, self.decoder_ffn_dim):
+            _check_divides(shards, ffn, "FFN columns")
+        return self if shards == 1 else dataclasses.replace(self, tensor_parallel=shards)
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return (self.eos_token_id,)
+
+
+def _check_divides(shards: int, count: int, what: str) -> None:
+    if shards < 1 or count % shards:
+        raise ValueError(f"tensor_parallel={shards} must divide the {count} {what}.")
 
 
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
@@ -291,7 +325,7 @@ def _decoder_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def _nllb_config_from_hf(hf: dict[str, Any]) -> NllbConfig:
-    names = {f.name for f in dataclasses.fields(NllbConfig)}
+    names = {f.name for f in dataclasses.fields(NllbConfig)} - {"tensor_parallel"}
     fields = {k: v for k, v in hf.items() if k in names}
     fields["model_type"] = "m2m_100"
     activation = fields.get("activation_function", "relu")

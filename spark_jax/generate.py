@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", help="the prompt; read from stdin (one per line) when absent")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over the first N devices (attention heads, FFN, vocab)",
+    )
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.perf_counter()
     try:
-        model = sj.load(resolve_model_dir(args.model), dtype=args.dtype)
+        model = sj.load(
+            resolve_model_dir(args.model), dtype=args.dtype, tensor_parallel=args.tensor_parallel
+        )
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     load_s = time.perf_counter() - t0

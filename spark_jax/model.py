@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
 from spark_jax.models import family
@@ -69,6 +70,9 @@ class Model:
     # The K/V cache of every generation path: "auto" (the model dtype) or "fp8" (E4M3 with
     # per-kv-head scales, dequantized in attention; decoder-only models). vLLM's name.
     kv_cache_dtype: str = "auto"
+    # Tensor parallelism: the one-axis ("tp") mesh the params and caches are sharded over
+    # (``load(path, tensor_parallel=N)``); None: one device.
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         self.slot_pool = SlotPool(self.max_num_seqs)
@@ -77,6 +81,7 @@ class Model:
             runner = family(self.config).Runner
             self.runner = runner(self.config, self.params, self.tokenizer, options=self.options)
         self.runner.eos_token_ids = self.eos_token_ids
+        self.runner.mesh = self.mesh
         from spark_jax.ops.kv_cache import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -244,6 +249,11 @@ class Model:
         """
         from spark_jax.ops.lora import LoraPool
 
+        if self.mesh is not None:
+            raise ValueError(
+                "LoRA does not run under tensor parallelism yet; load with tensor_parallel=1 "
+                "to serve adapters."
+            )
         with self._lora_lock:
             if self.lora_pool is not None:
                 raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
@@ -304,7 +314,13 @@ class Model:
             self.generation_config,
             options=self.options,
             kv_cache_dtype=self.kv_cache_dtype,
+            mesh=self.mesh,
         )
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Devices the model is sharded over."""
+        return 1 if self.mesh is None else self.mesh.devices.size
 
 
 def load(
@@ -312,10 +328,20 @@ def load(
     dtype: str | jnp.dtype | None = None,
     options: KernelOptions | None = None,
     kv_cache_dtype: str = "auto",
+    tensor_parallel: int = 1,
 ) -> Model:
     """Loads a directory written by ``python -m conversion.hf_to_orbax``; its steps run the
     kernels ``options`` choose (default ``KernelOptions()``: the dispatch picks), over a K/V
-    cache of ``kv_cache_dtype`` ("auto" or "fp8")."""
+    cache of ``kv_cache_dtype`` ("auto" or "fp8").
+
+    ``tensor_parallel=N`` shards the model over the first N devices (``jax.devices()``: every
+    process's under ``jax.distributed``), one ``"tp"`` mesh axis: attention by heads, the MLP
+    by FFN columns then rows, the embedding and LM head by vocab, K/V by KV heads (copied
+    where fewer than N), each shard read from the checkpoint straight onto its device
+    (``load_sharded``). XLA inserts the all-reduces. Gap: our Pallas and cuDNN kernels do not
+    yet run per shard under ``shard_map``, so a sharded model's steps take XLA's reference
+    attention and LayerNorm (``KernelOptions(implementation="xla", pallas_layer_norm=False)``).
+    """
     from spark_jax.checkpoint import PARAMS_DIR, restore_params
     from spark_jax.tokenizer import Tokenizer
 
@@ -328,15 +354,74 @@ def load(
         )
     hf_config = json.loads(config_file.read_text())
     config = config_from_hf(hf_config)
-    params = restore_params(path / PARAMS_DIR, dtype=dtype)
+    options = KernelOptions() if options is None else options
+    mesh = None
+    if tensor_parallel == 1:
+        params = restore_params(path / PARAMS_DIR, dtype=dtype)
+    else:
+        config, params, mesh = load_sharded(path / PARAMS_DIR, config, tensor_parallel, dtype)
+        options = dataclasses.replace(
+            options,
+            implementation=TENSOR_PARALLEL_OPTIONS.implementation,
+            pallas_layer_norm=TENSOR_PARALLEL_OPTIONS.pallas_layer_norm,
+        )
     _check_quantized(path, config, params)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
     tokenizer = Tokenizer.from_dir(path) if _has_tokenizer(path) else None
-    options = KernelOptions() if options is None else options
     return Model(
-        config, params, tokenizer, generation_config, options=options, kv_cache_dtype=kv_cache_dtype
+        config,
+        params,
+        tokenizer,
+        generation_config,
+        options=options,
+        kv_cache_dtype=kv_cache_dtype,
+        mesh=mesh,
     )
+
+
+def load_sharded(
+    params_dir: str | Path, config: ModelConfig | NllbConfig, tensor_parallel: int, dtype: Any
+) -> tuple[ModelConfig | NllbConfig, Any, Mesh]:
+    """The params checkpoint at ``params_dir`` sharded over ``tensor_parallel`` devices:
+    (the config laid out for them, the params, the mesh).
+
+    Orbax reads every shard straight onto its device (``restore_params`` with the target
+    shardings): no device ever holds a whole sharded weight. A fused kernel (Q/K/V, gate/up)
+    is read split by rows, its columns put in shard-major order where each row block lies,
+    then moved to its column shards (``Declaration.shard_major``).
+    """
+    from spark_jax.checkpoint import restore_params
+    from spark_jax.models import declare
+    from spark_jax.ops.sharding import make_mesh
+
+    sharded_config = config.for_tensor_parallel(tensor_parallel)
+    mesh = make_mesh(tensor_parallel)
+    plain, laid_out = declare(config), declare(sharded_config)
+    params = restore_params(params_dir, dtype=dtype, shardings=plain.load_shardings(mesh))
+    params = plain.shard_major(params, tensor_parallel, laid_out.shardings(mesh))
+    return sharded_config, params, mesh
+
+
+def shard_params(
+    config: ModelConfig | NllbConfig, params: Any, tensor_parallel: int
+) -> tuple[ModelConfig | NllbConfig, Any, Mesh]:
+    """An in-memory params tree (random init, benchmarks) sharded as ``load_sharded`` shards
+    a checkpoint: (the config laid out for ``tensor_parallel`` devices, the params, the mesh).
+    Build the model with ``Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)``."""
+    from spark_jax.models import declare
+    from spark_jax.ops.sharding import make_mesh
+
+    sharded_config = config.for_tensor_parallel(tensor_parallel)
+    mesh = make_mesh(tensor_parallel)
+    plain, laid_out = declare(config), declare(sharded_config)
+    params = jax.device_put(params, plain.load_shardings(mesh))
+    params = plain.shard_major(params, tensor_parallel, laid_out.shardings(mesh))
+    return sharded_config, params, mesh
+
+
+# The kernels a tensor-parallel model's steps take (gap: ours do not run per shard yet).
+TENSOR_PARALLEL_OPTIONS = KernelOptions(implementation="xla", pallas_layer_norm=False)
 
 
 def _check_quantized(path: Path, config: Any, params: Any) -> None:

@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over the first N devices (attention heads, FFN, vocab)",
+    )
     p.add_argument("--skip-warmup", action="store_true", help="compile step shapes on first use")
     p.add_argument(
         "--compilation-cache",
@@ -67,7 +74,7 @@ def build_engine(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[An
     import spark_jax as sj
 
     path = resolve_model_dir(args.model)
-    model = sj.load(path, dtype=args.dtype)
+    model = sj.load(path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     if model.tokenizer is None:
         raise ValueError(f"{path} has no tokenizer files; reconvert it with its tokenizer.")
     if adapters:

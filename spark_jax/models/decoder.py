@@ -34,6 +34,7 @@ from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary
 from spark_jax.ops.lora import LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, attention_probabilities
+from spark_jax.ops.sharding import host_array, split_fused
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it. Q/K/V
@@ -55,16 +56,33 @@ def declare_layer(config: ModelConfig, i: int) -> list[Param]:
             [q, kv, kv],
             bias=c.qkv_bias,
             quantization=quant,
+            axes=("embed", "heads"),
+            units=[c.num_heads, c.num_kv_heads, c.num_kv_heads],
         ),
-        *linear((layer, "attn", "o_proj"), [attn + "o_proj"], q, [d], quantization=quant),
+        *linear(
+            (layer, "attn", "o_proj"),
+            [attn + "o_proj"],
+            q,
+            [d],
+            quantization=quant,
+            axes=("heads", "embed"),
+        ),
         *linear(
             (layer, "mlp", "gate_up_proj"),
             [p + "mlp.gate_proj", p + "mlp.up_proj"],
             d,
             [f, f],
             quantization=quant,
+            axes=("embed", "mlp"),
         ),
-        *linear((layer, "mlp", "down_proj"), [p + "mlp.down_proj"], f, [d], quantization=quant),
+        *linear(
+            (layer, "mlp", "down_proj"),
+            [p + "mlp.down_proj"],
+            f,
+            [d],
+            quantization=quant,
+            axes=("mlp", "embed"),
+        ),
     ]
     if c.qk_norm:
         params += norm((layer, "attn", "q_norm"), attn + "q_norm", c.head_dim)
@@ -78,7 +96,13 @@ def declare(config: ModelConfig) -> Declaration:
     c, d = config, config.hidden_size
     tied = c.tie_word_embeddings
     quant = c.quantization if c.quantization and c.quantization.lm_head else None
-    head = [] if tied else linear(("lm_head",), ["lm_head"], d, [c.vocab_size], False, False, quant)
+    head = (
+        []
+        if tied
+        else linear(
+            ("lm_head",), ["lm_head"], d, [c.vocab_size], False, False, quant, ("embed", "vocab")
+        )
+    )
     return Declaration.of(
         embedding(
             ("embed_tokens",),
@@ -125,7 +149,7 @@ class SelfAttention(nn.Module):
         qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
         )
-        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+        q, k, v = split_fused(qkv, (c.q_size, c.kv_size, c.kv_size), c.tensor_parallel)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -167,9 +191,8 @@ class DecoderLayer(nn.Module):
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
-        x = x + GatedMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(
-            h, scope(lora, "mlp")
-        )
+        c_mlp = (c.hidden_size, c.intermediate_size, self.dtype, c.tensor_parallel)
+        x = x + GatedMLP(*c_mlp, name="mlp")(h, scope(lora, "mlp"))
         return x, k_cache, v_cache
 
 
@@ -485,6 +508,7 @@ class Runner:
         self.tokenizer = tokenizer
         self.dtype = _params_dtype(params)
         self.kv_cache_dtype = "auto"  # the Model sets "fp8" for an E4M3 K/V cache
+        self.mesh: Any = None  # the Model sets its tensor-parallel mesh (caches by KV heads)
         # Adapters' A columns join the kernels (one GEMM) unless the kernels are narrow.
         self._fuse_lora = config.quantization is None
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
@@ -496,7 +520,8 @@ class Runner:
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
-        return init_cache(self.config, num_slots, max_len, self.dtype, self.kv_cache_dtype)
+        cache = init_cache(self.config, num_slots, max_len, self.dtype, self.kv_cache_dtype)
+        return cache if self.mesh is None else jax.device_put(cache, cache.shardings(self.mesh))
 
     def prefill(
         self,
@@ -645,4 +670,4 @@ class Runner:
             lora,
             options=self.options,
         )
-        return np.asarray(out[0, : len(ids)], np.float32)
+        return host_array(out)[0, : len(ids)].astype(np.float32)

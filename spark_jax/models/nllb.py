@@ -41,12 +41,13 @@ import numpy as np
 from spark_jax.config import NllbConfig
 from spark_jax.models.common import ForwardOutput, bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
-from spark_jax.ops.attention import attention, packed_cache_step_attention
+from spark_jax.ops.attention import attention, cache_step_attention, packed_cache_step_attention
 from spark_jax.ops.kv_cache import EncoderDecoderCache, write_kv
 from spark_jax.ops.layers import LayerNorm, Linear, sinusoidal_table
 from spark_jax.ops.lora import LoraBatch, LoraTarget, scope
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, attention_probabilities
+from spark_jax.ops.sharding import host_array, split_fused
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: each declared once (spark_jax.models.params), HF names and shapes beside it.
@@ -59,7 +60,9 @@ def declare_layer(config: NllbConfig, stack: str, i: int) -> list[Param]:
     ``DecoderLayer``, which adds cross-attention)."""
     d, p, layer = config.d_model, f"model.{stack}.layers.{i}.", f"{stack}_layers_{i}"
     f = config.encoder_ffn_dim if stack == "encoder" else config.decoder_ffn_dim
+    n = config.encoder_attention_heads if stack == "encoder" else config.decoder_attention_heads
     attn = p + "self_attn."
+    columns, rows = ("embed", "heads"), ("heads", "embed")
     params = [
         *norm((layer, "self_attn_norm"), p + "self_attn_layer_norm", d, bias=True),
         *linear(
@@ -68,25 +71,35 @@ def declare_layer(config: NllbConfig, stack: str, i: int) -> list[Param]:
             d,
             [d, d, d],
             bias=True,
+            axes=columns,
+            units=[n, n, n],
         ),
-        *linear((layer, "self_attn", "out_proj"), [attn + "out_proj"], d, [d], bias=True),
+        *linear(
+            (layer, "self_attn", "out_proj"), [attn + "out_proj"], d, [d], bias=True, axes=rows
+        ),
         *norm((layer, "ffn_norm"), p + "final_layer_norm", d, bias=True),
-        *linear((layer, "mlp", "fc1"), [p + "fc1"], d, [f], bias=True),
-        *linear((layer, "mlp", "fc2"), [p + "fc2"], f, [d], bias=True),
+        *linear((layer, "mlp", "fc1"), [p + "fc1"], d, [f], bias=True, axes=("embed", "mlp")),
+        *linear((layer, "mlp", "fc2"), [p + "fc2"], f, [d], bias=True, axes=("mlp", "embed")),
     ]
     if stack == "decoder":
         cross = p + "encoder_attn."
         params += [
             *norm((layer, "cross_attn_norm"), p + "encoder_attn_layer_norm", d, bias=True),
-            *linear((layer, "cross_attn", "q_proj"), [cross + "q_proj"], d, [d], bias=True),
+            *linear(
+                (layer, "cross_attn", "q_proj"), [cross + "q_proj"], d, [d], True, axes=columns
+            ),
             *linear(
                 (layer, "cross_attn", "kv_proj"),
                 [cross + "k_proj", cross + "v_proj"],
                 d,
                 [d, d],
                 bias=True,
+                axes=columns,
+                units=[n, n],
             ),
-            *linear((layer, "cross_attn", "out_proj"), [cross + "out_proj"], d, [d], bias=True),
+            *linear(
+                (layer, "cross_attn", "out_proj"), [cross + "out_proj"], d, [d], True, axes=rows
+            ),
         ]
     return params
 
@@ -159,13 +172,16 @@ class SelfAttention(nn.Module):
 
     ``fresh``: every row starts at position 0, so it attends to the new keys alone and never
     reads (gathers) its longer cache row. ``row_table``: the cache's (beam search), read
-    through by ``packed_cache_step_attention``.
+    through by ``packed_cache_step_attention``. ``shards``: the fused Q/K/V columns are held
+    shard-major over that many devices (spark_jax.ops.sharding); the packed read is then
+    skipped (its [3N] heads would cross shards) and the parts are split per shard.
     """
 
     d_model: int
     num_heads: int
     dtype: jnp.dtype
     options: KernelOptions = KernelOptions()
+    shards: int = 1
 
     @nn.compact
     def __call__(
@@ -182,7 +198,14 @@ class SelfAttention(nn.Module):
         qkv = Linear(3 * self.d_model, use_bias=True, dtype=self.dtype, name="qkv_proj")(
             x, scope(lora, "qkv_proj")
         )
-        if cache is not None and not fresh:
+        d = self.d_model
+        if cache is not None and not fresh and self.shards > 1:
+            q, k, v = (_heads(p, self.num_heads) for p in split_fused(qkv, (d, d, d), self.shards))
+            out, *cache = cache_step_attention(
+                q, k, v, *cache, slots, cache_positions, mask, row_table, options=self.options
+            )
+            cache = tuple(cache)
+        elif cache is not None and not fresh:
             # [B, T, 3N, H]: queries, keys and values side by side, split where they are read.
             out, *cache = packed_cache_step_attention(
                 _heads(qkv, 3 * self.num_heads),
@@ -195,7 +218,8 @@ class SelfAttention(nn.Module):
             )
             cache = tuple(cache)
         else:
-            q, k, v = (_heads(part, self.num_heads) for part in jnp.split(qkv, 3, axis=-1))
+            parts = split_fused(qkv, (d, d, d), self.shards)
+            q, k, v = (_heads(part, self.num_heads) for part in parts)
             # For the research forward (``forward_outputs``); a no-op in every other step.
             self.sow("intermediates", "queries", q)
             self.sow("intermediates", "keys", k)
@@ -215,6 +239,7 @@ class CrossAttention(nn.Module):
     num_heads: int
     dtype: jnp.dtype
     options: KernelOptions = KernelOptions()
+    shards: int = 1  # the fused K/V columns held shard-major over that many devices
 
     def setup(self):
         self.q_proj = Linear(self.d_model, use_bias=True, dtype=self.dtype)
@@ -225,7 +250,8 @@ class CrossAttention(nn.Module):
         self, encoder_hidden: jax.Array, lora: LoraBatch | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """[B, S, D] → k, v [B, S, N, H] (with each row's adapter on k/v)."""
-        k, v = jnp.split(self.kv_proj(encoder_hidden, scope(lora, "kv_proj")), 2, axis=-1)
+        kv = self.kv_proj(encoder_hidden, scope(lora, "kv_proj"))
+        k, v = split_fused(kv, (self.d_model, self.d_model), self.shards)
         return _heads(k, self.num_heads), _heads(v, self.num_heads)
 
     def __call__(self, x, k, v, mask, lora=None):
@@ -259,7 +285,9 @@ class EncoderLayer(nn.Module):
         c, options = self.config, self.options
         norm = partial(LayerNorm, c.layer_norm_eps, self.dtype, options)
         heads = c.encoder_attention_heads
-        attn = SelfAttention(c.d_model, heads, self.dtype, options, name="self_attn")
+        attn = SelfAttention(
+            c.d_model, heads, self.dtype, options, c.tensor_parallel, name="self_attn"
+        )
         x = x + attn(norm(name="self_attn_norm")(x), mask, lora=scope(lora, "self_attn"))[0]
         mlp = ReluMLP(c.d_model, c.encoder_ffn_dim, self.dtype, name="mlp")
         return x + mlp(norm(name="ffn_norm")(x), scope(lora, "mlp"))
@@ -273,9 +301,9 @@ class DecoderLayer(nn.Module):
     def setup(self):
         c, heads, options = self.config, self.config.decoder_attention_heads, self.options
         self.self_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
-        self.self_attn = SelfAttention(c.d_model, heads, self.dtype, options)
+        self.self_attn = SelfAttention(c.d_model, heads, self.dtype, options, c.tensor_parallel)
         self.cross_attn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
-        self.cross_attn = CrossAttention(c.d_model, heads, self.dtype, options)
+        self.cross_attn = CrossAttention(c.d_model, heads, self.dtype, options, c.tensor_parallel)
         self.ffn_norm = LayerNorm(c.layer_norm_eps, self.dtype, options)
         self.mlp = ReluMLP(c.d_model, c.decoder_ffn_dim, self.dtype)
 
@@ -714,6 +742,7 @@ class NllbRunner:
         self.dtype = _params_dtype(params)
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once an adapter is added
+        self.mesh: Any = None  # the Model sets its tensor-parallel mesh (caches by heads)
         # The pure decode step, for the engine's device loops (see decoder.Runner.decode_fn).
         self.decode_fn = partial(_decode_rows, config=config, options=options)
 
@@ -799,7 +828,8 @@ class NllbRunner:
         """``max_len`` decoder positions per row (seed included); sources up to max_prompt_len;
         ``row_table``: rows read their history through a table (beam search's reorder)."""
         max_source = bucket(min(max(max_prompt_len, 1), self.max_source_len))
-        return init_cache(self.config, num_slots, max_len, max_source, self.dtype, row_table)
+        cache = init_cache(self.config, num_slots, max_len, max_source, self.dtype, row_table)
+        return cache if self.mesh is None else jax.device_put(cache, cache.shardings(self.mesh))
 
     def prefill(
         self,
@@ -945,7 +975,7 @@ class NllbRunner:
             self._lora(None if adapter is None else [adapter], 1),
             options=self.options,
         )
-        return np.asarray(out[0, : len(decoder_ids)], np.float32)
+        return host_array(out)[0, : len(decoder_ids)].astype(np.float32)
 
 
 Runner = NllbRunner  # the name ``spark_jax.model.Model`` looks up in every family

@@ -11,7 +11,11 @@ shapes) and whether HF stores it transposed. From that one list come
 - ``Declaration.lora_targets()``: PEFT module name → ``LoraTarget``, the offsets of each part
   summed from the parts' sizes;
 - ``Declaration.shapes()``: the params tree's shapes (tests check the Flax modules build the
-  same, so the Flax param calls cannot drift from the declaration).
+  same, so the Flax param calls cannot drift from the declaration);
+- ``Declaration.shardings(mesh)``: a ``NamedSharding`` per leaf from each param's logical
+  ``axes`` (spark_jax.ops.sharding), and ``Declaration.shard_major(params, shards, ...)``: the
+  tree with its fused kernels' columns in the shard-major order tensor parallelism reads
+  (each shard whole heads of every part; KV heads copied where fewer than the shards).
 
 A kernel declared with a ``quantization`` scheme (spark_jax.config.QuantizationConfig) is held
 narrow (fp8 / int8, spark_jax.ops.quant) with a ``kernel_scale`` leaf beside it: ``from_hf``
@@ -30,11 +34,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spark_jax.config import QuantizationConfig
 from spark_jax.ops.lora import LoraTarget
 from spark_jax.ops.quant import quantize
+from spark_jax.ops.sharding import (
+    DEFAULT_RULES,
+    TP_AXIS,
+    ShardingRules,
+    fused_columns,
+    named_sharding,
+    replicated,
+)
 
 SCALE = "kernel_scale"  # the leaf beside a quantized kernel
 HF_SCALE_SUFFIX = "_scale"  # compressed-tensors: ``<module>.weight`` + ``<module>.weight_scale``
@@ -75,6 +89,9 @@ class Param:
     PEFT module of a part is its HF name less ``.weight``). ``aliases``: HF names that may
     hold a tied copy of this tensor (read never; a checkpoint may store them or not).
     ``quantization``: a [in, out] kernel held narrow, with its scales at ``scale_path``.
+    ``axes``: the logical axis of each dim of the leaf (spark_jax.ops.sharding), whence its
+    sharding; None: replicated. ``units``: the heads of each part along the output axis, the
+    grain a shard holds whole (default: a column).
     """
 
     path: tuple[str, ...]
@@ -84,6 +101,8 @@ class Param:
     lora: bool = False
     aliases: tuple[str, ...] = ()
     quantization: QuantizationConfig | None = None
+    axes: tuple[str | None, ...] | None = None
+    units: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.hf or len(self.hf) != len(self.shapes):
@@ -92,6 +111,10 @@ class Param:
             raise ValueError(f"{self.path}: fused parts must agree on all but their first axis.")
         if self.quantization is not None and not (self.transpose and len(self.hf_shape) == 2):
             raise ValueError(f"{self.path}: only [in, out] kernels of linear layers quantize.")
+        if self.axes is not None and len(self.axes) != len(self.shape):
+            raise ValueError(f"{self.path}: give one logical axis per dim of {self.shape}.")
+        if self.units is not None and len(self.units) != len(self.hf):
+            raise ValueError(f"{self.path}: give one unit count per HF tensor.")
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -113,6 +136,22 @@ class Param:
         in_dim, out_dim = self.shape
         group = self.quantization.group_size if self.quantization else None
         return (out_dim,) if group is None else (in_dim // group, out_dim)
+
+    @property
+    def leaf_axes(self) -> tuple[str | None, ...]:
+        return self.axes if self.axes is not None else (None,) * len(self.shape)
+
+    @property
+    def scale_axes(self) -> tuple[str | None, ...]:
+        return self.leaf_axes[-1:] if len(self.scale_shape) == 1 else self.leaf_axes
+
+    def shard_major_columns(self, shards: int) -> np.ndarray | None:
+        """The order of this leaf's output columns (its last axis) under ``shards``-way tensor
+        parallelism (``spark_jax.ops.sharding.fused_columns``); None: unchanged."""
+        if shards == 1 or self.units is None:
+            return None
+        widths = [s[0] // u for s, u in zip(self.shapes, self.units, strict=True)]
+        return fused_columns(self.units, widths, shards)
 
     def hf_scale_names(self) -> tuple[str, ...]:
         """The compressed-tensors scale of each part (``weight_scale [out, 1]``)."""
@@ -152,12 +191,19 @@ def linear(
     bias: bool = False,
     lora: bool = True,
     quantization: QuantizationConfig | None = None,
+    axes: tuple[str | None, str | None] = (None, None),
+    units: Sequence[int] | None = None,
 ) -> list[Param]:
     """A ``Linear`` (kernel [in, out], optional bias) fusing the HF linear ``modules``.
 
     ``out_dims``: each module's output width, in the order their columns are concatenated.
     ``quantization``: hold the kernel narrow, with its scales (the bias stays float).
+    ``axes``: the kernel's logical (in, out) axes; ``units``: each module's heads (a fused
+    kernel sharded along its output keeps each head whole on one shard).
     """
+    if units is None and len(modules) > 1:
+        units = tuple(out_dims)
+    units = None if units is None else tuple(units)
     if len(modules) != len(out_dims):
         raise ValueError(f"{path}: give one output width per HF module.")
     params = [
@@ -168,12 +214,18 @@ def linear(
             transpose=True,
             lora=lora,
             quantization=quantization,
+            axes=axes,
+            units=units,
         )
     ]
     if bias:
         params.append(
             Param(
-                path + ("bias",), tuple(m + ".bias" for m in modules), tuple((o,) for o in out_dims)
+                path + ("bias",),
+                tuple(m + ".bias" for m in modules),
+                tuple((o,) for o in out_dims),
+                axes=axes[1:],
+                units=units,
             )
         )
     return params
@@ -190,8 +242,17 @@ def norm(path: tuple[str, ...], module: str, dim: int, bias: bool = False) -> li
 def embedding(
     path: tuple[str, ...], tensor: str, vocab: int, dim: int, aliases: Sequence[str] = ()
 ) -> list[Param]:
-    """An ``nn.Embed`` table [vocab, dim] from HF tensor ``tensor`` (and its tied copies)."""
-    return [Param(path + ("embedding",), (tensor,), ((vocab, dim),), aliases=tuple(aliases))]
+    """An ``nn.Embed`` table [vocab, dim] from HF tensor ``tensor`` (and its tied copies),
+    vocab-parallel under tensor parallelism."""
+    return [
+        Param(
+            path + ("embedding",),
+            (tensor,),
+            ((vocab, dim),),
+            aliases=tuple(aliases),
+            axes=("vocab", "embed"),
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -271,6 +332,51 @@ class Declaration:
             if p.quantization is not None:
                 _set(tree, p.scale_path, p.scale_shape)
         return tree
+
+    def shardings(self, mesh: Any, rules: ShardingRules = DEFAULT_RULES) -> dict[str, Any]:
+        """The params tree with each leaf's ``NamedSharding`` on ``mesh`` in its place."""
+        tree: dict[str, Any] = {}
+        for p in self.params:
+            _set(tree, p.path, named_sharding(mesh, p.shape, p.leaf_axes, rules))
+            if p.quantization is not None:
+                _set(tree, p.scale_path, named_sharding(mesh, p.scale_shape, p.scale_axes, rules))
+        return tree
+
+    def load_shardings(self, mesh: Any, rules: ShardingRules = DEFAULT_RULES) -> dict[str, Any]:
+        """Shardings to restore this (one-shard) tree with before ``shard_major`` reorders it:
+        a kernel whose columns move is split by rows, so its reordering moves no data off a
+        device; vectors that move (fused biases, scales) are whole on every device; every
+        other leaf is read straight into its final sharding."""
+        shards = mesh.shape[TP_AXIS]
+        tree = self.shardings(mesh, rules)
+        for p in self.params:
+            if p.shard_major_columns(shards) is None:
+                continue
+            leaves = [(p.path, p.shape)]
+            if p.quantization is not None:
+                leaves.append((p.scale_path, p.scale_shape))
+            for path, shape in leaves:
+                by_rows = len(shape) == 2 and shape[0] % shards == 0
+                rows = NamedSharding(mesh, PartitionSpec(TP_AXIS, None))
+                _get(tree, path[:-1])[path[-1]] = rows if by_rows else replicated(mesh)
+        return tree
+
+    def shard_major(
+        self, params: Mapping[str, Any], shards: int, shardings: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """``params`` (this one-shard declaration's tree) for ``shards``-way tensor
+        parallelism, placed at ``shardings`` (the tensor-parallel declaration's): every fused
+        leaf's columns reordered shard-major (``Param.shard_major_columns``), the reorder run
+        where each row block already lies, then moved to its column shards."""
+        tree = jax.tree.map(lambda leaf: leaf, dict(params))
+        for p in self.params:
+            columns = p.shard_major_columns(shards)
+            paths = [p.path] + ([p.scale_path] if p.quantization is not None else [])
+            for path in paths:
+                node = _get(tree, path[:-1])
+                if columns is not None:
+                    node[path[-1]] = jnp.take(node[path[-1]], columns, axis=-1)
+        return jax.tree.map(jax.device_put, tree, dict(shardings))
 
     def lora_targets(self) -> dict[str, LoraTarget]:
         """PEFT module names → where their low-rank updates land in our (fused) kernels."""

@@ -10,6 +10,10 @@ layer (``ScaledLayer``, or a ``PagedLayer`` with ``scale``): ``write_kv`` divide
 and rounds, ``read_rows`` multiplies back into the model dtype (a producer XLA fuses into the
 attention that reads it). The scales default to 1, as vLLM's do for a checkpoint without
 calibrated ones: E4M3 keeps ~2 significant decimal digits from 2^-6 to 448.
+
+Under tensor parallelism every cache is sharded by its KV heads (``shardings(mesh)``: a tree
+of ``NamedSharding`` in the cache's shape, for ``jax.device_put``): each device holds the K/V
+of the heads its query heads read; lengths and tables are whole on every device.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Self
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from spark_jax.ops.sharding import heads_sharding, replicated
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model dtype
 FP8 = jnp.float8_e4m3fn
@@ -65,6 +72,14 @@ class ScaledLayer:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
+
+
+def _layer_sharding(layer: jax.Array | ScaledLayer, mesh: Mesh) -> jax.Array | ScaledLayer:
+    """One K or V buffer [rows, S, K, H] (an E4M3 one with its [K] scales) by heads."""
+    heads = heads_sharding(mesh, 4, 2)
+    if isinstance(layer, ScaledLayer):
+        return ScaledLayer(heads, heads_sharding(mesh, 1, 0))
+    return heads
 
 
 class _Rows:
@@ -130,6 +145,15 @@ class KVCache(_Rows):
     def reset_rows(self, rows: jax.Array) -> KVCache:
         """Frees rows: their lengths drop to zero (the stale keys are never read)."""
         return self.with_lengths(self.lengths.at[rows].set(0))
+
+    def shardings(self, mesh: Mesh) -> KVCache:
+        """Where each array of this cache lies under tensor parallelism: K/V by heads."""
+        return dataclasses.replace(
+            self,
+            k=tuple(_layer_sharding(x, mesh) for x in self.k),
+            v=tuple(_layer_sharding(x, mesh) for x in self.v),
+            lengths=replicated(mesh),
+        )
 
     def with_layers(self, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]) -> KVCache:
         """The same cache with new per-layer buffers (what a step wrote)."""
@@ -286,6 +310,20 @@ class PagedKVCache(_Rows):
         scales = self.v_scales or (None,) * len(self.v_pages)
         return tuple(self._view(p, s) for p, s in zip(self.v_pages, scales, strict=True))
 
+    def shardings(self, mesh: Mesh) -> PagedKVCache:
+        """Where each array of this cache lies under tensor parallelism: the pages by heads,
+        the block table and lengths whole on every device."""
+        scales = lambda s: None if s is None else tuple(heads_sharding(mesh, 1, 0) for _ in s)
+        return dataclasses.replace(
+            self,
+            k_pages=tuple(heads_sharding(mesh, 4, 2) for _ in self.k_pages),
+            v_pages=tuple(heads_sharding(mesh, 4, 2) for _ in self.v_pages),
+            block_table=replicated(mesh),
+            lengths=replicated(mesh),
+            k_scales=scales(self.k_scales),
+            v_scales=scales(self.v_scales),
+        )
+
     def _view(self, pages: jax.Array, scale: jax.Array | None) -> PagedLayer:
         return PagedLayer(pages, self.block_table, scale)
 
@@ -375,6 +413,21 @@ class EncoderDecoderCache(_Rows):
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.k + self.v + self.cross_k + self.cross_v)
+
+    def shardings(self, mesh: Mesh) -> EncoderDecoderCache:
+        """Where each array of this cache lies under tensor parallelism: self and cross K/V
+        by heads, lengths and the row table whole on every device."""
+        heads = lambda layers: tuple(heads_sharding(mesh, 4, 2) for _ in layers)
+        return dataclasses.replace(
+            self,
+            k=heads(self.k),
+            v=heads(self.v),
+            cross_k=heads(self.cross_k),
+            cross_v=heads(self.cross_v),
+            lengths=replicated(mesh),
+            source_lengths=replicated(mesh),
+            row_table=None if self.row_table is None else replicated(mesh),
+        )
 
     def reset_rows(self, rows: jax.Array) -> EncoderDecoderCache:
         """Frees rows: both lengths drop to zero (the stale keys are never read)."""

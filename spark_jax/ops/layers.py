@@ -16,6 +16,7 @@ import numpy as np
 from spark_jax.ops.lora import LoraBatch, scope
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.quant import quantized_matmul
+from spark_jax.ops.sharding import split_fused
 
 Dtype = jnp.dtype
 
@@ -161,18 +162,21 @@ def apply_rotary(x: jax.Array, angles: tuple[jax.Array, jax.Array]) -> jax.Array
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [D, 2F] matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [D, 2F] matmul (held
+    shard-major over ``shards`` devices under tensor parallelism)."""
 
     hidden_size: int
     intermediate_size: int
     dtype: Dtype = jnp.float32
+    shards: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
         gate_up = Linear(2 * self.intermediate_size, dtype=self.dtype, name="gate_up_proj")(
             x, scope(lora, "gate_up_proj")
         )
-        gate, up = jnp.split(gate_up, 2, axis=-1)
+        f = self.intermediate_size
+        gate, up = split_fused(gate_up, (f, f), self.shards)
         hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(self.dtype)
         return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(
             hidden, scope(lora, "down_proj")

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
 from spark_jax.generation.guided import bitmask_width, fill_bitmask
@@ -45,20 +46,32 @@ from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
+from spark_jax.ops.sharding import TP_AXIS, replicated
 from spark_jax.serving.pages import BlockTable
 from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
 
 SAMPLER_WIDTH = 32  # logit-bias entries and stop ids per request: a fixed sampler shape
 
 
-def commit(tree: Any) -> Any:
-    """The arrays of ``tree`` committed to the default device.
+def commit(tree: Any, mesh: Mesh | None = None) -> Any:
+    """The arrays of ``tree`` committed to the default device, or whole on every device of
+    ``mesh`` (a tensor-parallel model's).
 
     Every array an executor holds is committed from the start, like the step outputs that
     replace it: a jitted step's cache key includes whether its inputs are committed, so state
     that changed status after warm-up would compile again.
     """
-    return jax.device_put(tree, jax.devices()[0])
+    return jax.device_put(tree, jax.devices()[0] if mesh is None else replicated(mesh))
+
+
+def vocab_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows [slots, V] split by vocab over a tensor-parallel mesh (as the logits are)."""
+    return NamedSharding(mesh, PartitionSpec(None, TP_AXIS))
+
+
+def commit_cache(cache: Any, mesh: Mesh | None = None) -> Any:
+    """``commit`` of a K/V cache; under tensor parallelism it is sharded by KV heads."""
+    return commit(cache) if mesh is None else jax.device_put(cache, cache.shardings(mesh))
 
 
 def upload(x: np.ndarray | np.generic) -> jax.Array:
@@ -287,17 +300,31 @@ class SlotPicker:
     that end their prefill from the prefill's, each pick over its own rows.
     """
 
-    def __init__(self, num_slots: int, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        num_slots: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        mesh: Mesh | None = None,
+    ):
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.counts = commit(np.zeros((num_slots, vocab_size), np.int32))
-        self.prompt_mask = commit(np.zeros((num_slots, vocab_size), bool))
-        self.last_tokens = commit(np.zeros((num_slots,), np.int32))
+        # Under tensor parallelism the per-token state is split by vocab like the logits that
+        # update it, so a pick's outputs come back in the sharding warm-up compiled for.
+        by_vocab = mesh is not None and vocab_size % mesh.devices.size == 0
+        if by_vocab:
+            place = partial(jax.device_put, device=vocab_sharding(mesh))
+        else:
+            place = partial(commit, mesh=mesh)
+        self.counts = place(np.zeros((num_slots, vocab_size), np.int32))
+        self.prompt_mask = place(np.zeros((num_slots, vocab_size), bool))
+        self.last_tokens = commit(np.zeros((num_slots,), np.int32), mesh)
         # Every slot's settings (prompt mask aside: it is its own array); empty slots sample
         # greedily, unread. Rows change one by one, as owners do.
         self.settings = commit(
-            SampleRows(self.batch([None] * num_slots), None, np.zeros((num_slots,), np.int32))
+            SampleRows(self.batch([None] * num_slots), None, np.zeros((num_slots,), np.int32)),
+            mesh,
         )
         self._free_masks: dict[int, jax.Array] = {}  # all-ones token masks, by row count
         self._owners: list[int | None] = [None] * num_slots  # admission numbers
@@ -508,11 +535,13 @@ class PagedExecutor:
         self.max_pages_per_seq = max_pages_per_seq
         self.decode_widths = decode_widths
         self.decode_steps_by_width: Counter[int] = Counter()
-        self.state = commit(
+        self.mesh = model.mesh
+        self.state = commit_cache(
             PagedKVCache.create(
                 c.num_layers, num_slots, num_pages, page_size, max_pages_per_seq,
                 c.num_kv_heads, c.head_dim, model.dtype, self.runner.kv_cache_dtype,
-            )
+            ),
+            self.mesh,
         )  # fmt: skip
         self.width_ladder = width_ladder
         if self._decode_reads_pages_in_place(model):
@@ -520,7 +549,7 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
-        self.sampler = SlotPicker(num_slots, c.vocab_size, model.eos_token_ids)
+        self.sampler = SlotPicker(num_slots, c.vocab_size, model.eos_token_ids, self.mesh)
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
@@ -743,8 +772,12 @@ class DenseExecutor:
         self.max_model_len = max_model_len
         self.max_source_len = max_source_len
         self.max_num_beams = max_num_beams
-        self.state = commit(self.runner.init_state(num_slots, max_model_len, max_source_len))
-        self.sampler = SlotPicker(num_slots, model.config.vocab_size, model.eos_token_ids)
+        self.mesh = model.mesh
+        state = self.runner.init_state(num_slots, max_model_len, max_source_len)
+        self.state = commit_cache(state, self.mesh)
+        self.sampler = SlotPicker(
+            num_slots, model.config.vocab_size, model.eos_token_ids, self.mesh
+        )
         self.new_beam_lane()
 
     def new_beam_lane(self) -> None:
@@ -755,7 +788,7 @@ class DenseExecutor:
             self.runner, self.max_num_beams, self.num_slots, self.max_model_len,
             self.max_source_len,
         )  # fmt: skip
-        self.beams.carry = commit(self.beams.carry)
+        self.beams.carry = commit(self.beams.carry, self.mesh)
 
     def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
         return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
