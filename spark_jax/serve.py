@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-from spark_jax.model_dir import cache_root, resolve_model_dir
+from spark_jax.model_dir import add_tensor_parallel_argument, cache_root, resolve_model_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,13 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
-    p.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="N",
-        help="shard the model over the first N devices (attention heads, FFN, vocab)",
-    )
+    add_tensor_parallel_argument(p)
     p.add_argument("--skip-warmup", action="store_true", help="compile step shapes on first use")
     p.add_argument(
         "--compilation-cache",
