@@ -103,7 +103,6 @@ def run(
     """``tensor_parallel``: the model sharded over that many devices (``--tensor-parallel``);
     the figures are then of the sharded model, the peer's of one device."""
     import spark_jax as sj
-    from spark_jax.model import TENSOR_PARALLEL_OPTIONS, shard_params
 
     if tensor_parallel != 1 and (quantize or kv_cache_dtype):
         raise ValueError(
@@ -118,7 +117,9 @@ def run(
     params = random_params(config, dtype)
     if tensor_parallel == 1:
         model = sj.Model(config, params)
-    else:
+    else:  # imported here: a tree from before tensor parallelism runs ``--against``
+        from spark_jax.model import TENSOR_PARALLEL_OPTIONS, shard_params
+
         config, params, mesh = shard_params(config, params, tensor_parallel)
         model = sj.Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)
         report.figures["tensor_parallel"] = tensor_parallel

@@ -529,6 +529,11 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         report.ratios["bare_step_over_c1_tpot"] = ratio(
             report.peers["bare_decode_bs1_ms"], report.figures["c1_tpot_p50_ms"]
         )
+    if not hasattr(engine, "metrics"):  # a tree from before prefix caching (``--against``)
+        report.notes.append("this tree's engine has no metrics and no prefix cache")
+        report.details["peers"] = peer_results
+        report.table = table
+        return report
     report.details["metrics"] = dataclasses.asdict(engine.metrics())
     shared = shared_prefix_workload(plan)
     on = run_level(engine, shared, plan.shared_concurrency)
