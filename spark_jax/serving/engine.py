@@ -334,6 +334,7 @@ class Engine:
             max_pages_per_seq,
             pow2_ladder(low, max_pages_per_seq),
             widths,
+            top_rows,
             0 if self.speculative is None else self.speculative.num_speculative_tokens,
         )
         log.info(
@@ -389,8 +390,9 @@ class Engine:
         self.source_ladder = pow2_ladder(bucket(1), bucket(self.max_source_len))
         self.scheduler = Scheduler(self.num_slots, pow2_ladder(1, max(1, max_prefill_seqs)))
         self.executor = DenseExecutor(
-            self.model, self.num_slots, self.max_model_len, self.max_source_len, max_num_beams
-        )
+            self.model, self.num_slots, self.max_model_len, self.max_source_len, max_num_beams,
+            self.scheduler.row_ladder[-1],
+        )  # fmt: skip
         self._beam_requests = _BeamRequests()
 
     # -- the parts ----------------------------------------------------------------------------

@@ -48,9 +48,10 @@ from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
 from spark_jax.ops.sharding import TP_AXIS, replicated
 from spark_jax.serving.pages import BlockTable
-from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, rung
+from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, pow2_ladder, rung
 
 SAMPLER_WIDTH = 32  # logit-bias entries and stop ids per request: a fixed sampler shape
+ADMISSION_MIN_TOKENS = 64  # the narrowest token row of the admission program
 
 
 def commit(tree: Any, mesh: Mesh | None = None) -> Any:
@@ -89,16 +90,40 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
 
 
 @partial(jax.jit, donate_argnames=("token_counts",))
-def _set_row(token_counts, prompt_mask, by_slot, slot, counts_row, mask_row, settings):
-    """A slot's sampler state for a newly admitted sequence: its output so far, its prompt,
-    its sampling settings (a one-row ``SampleRows``).
+def _set_rows(
+    token_counts: jax.Array,
+    prompt_mask: jax.Array,
+    by_slot: SampleRows,
+    slots: jax.Array,
+    tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    lengths: jax.Array,
+    settings: SampleRows,
+) -> tuple[jax.Array, jax.Array, SampleRows]:
+    """The sampler state of newly admitted sequences, built here from their token ids: rows
+    ``slots[R]`` (padding rows name slot ``S``: their writes are dropped) get the counts of
+    their outputs so far and the mask of their prompts, from ``tokens[R, L]`` (the prompt's
+    ``prompt_lengths[r]`` tokens, then the output's up to ``lengths[r]``; padding after),
+    and their sampling settings (an R-row ``SampleRows``).
 
-    Only the counts are donated: they are the last pick's output, which nothing else reads.
-    The prompt masks and settings are inputs of the pick still in flight, and donating a
-    buffer that a queued program reads makes the host wait for that program."""
-    token_counts = token_counts.at[slot].set(counts_row, mode="drop")
-    prompt_mask = prompt_mask.at[slot].set(mask_row, mode="drop")
-    put = lambda whole, row: whole.at[slot].set(row[0], mode="drop")
+    Built on the device, an admission uploads its token ids rather than two dense [V] rows
+    (640 KB at a 128k vocabulary), and the rows a step admits go in one program. Only the
+    counts are donated: they are the last pick's output, which nothing else reads. The
+    prompt masks and settings are inputs of the pick still in flight, and donating a buffer
+    that a queued program reads makes the host wait for that program."""
+    rows, width = tokens.shape
+    vocab = token_counts.shape[1]
+    position = jnp.arange(width)[None, :]
+    in_prompt = position < prompt_lengths[:, None]
+    in_output = ~in_prompt & (position < lengths[:, None])
+    row = jnp.broadcast_to(jnp.arange(rows)[:, None], tokens.shape)
+    ids = lambda keep: jnp.where(keep, tokens, vocab)  # out of range: dropped
+    counts = jnp.zeros((rows, vocab), token_counts.dtype)
+    counts = counts.at[row, ids(in_output)].add(1, mode="drop")
+    mask = jnp.zeros((rows, vocab), bool).at[row, ids(in_prompt)].set(True, mode="drop")
+    token_counts = token_counts.at[slots].set(counts, mode="drop")
+    prompt_mask = prompt_mask.at[slots].set(mask, mode="drop")
+    put = lambda whole, new: whole.at[slots].set(new, mode="drop")
     return token_counts, prompt_mask, jax.tree.map(put, by_slot, settings)
 
 
@@ -305,11 +330,18 @@ class SlotPicker:
         num_slots: int,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        max_admitted: int,
+        max_len: int,
         mesh: Mesh | None = None,
     ):
+        """``max_admitted``: the most sequences one step admits (the rows of the admission
+        program); ``max_len``: the most tokens (prompt and output) a sequence holds."""
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_admitted = max_admitted
+        # The admission program's token widths: a short prompt uploads a short row.
+        self.token_ladder = pow2_ladder(min(ADMISSION_MIN_TOKENS, max_len), max_len)
         # Under tensor parallelism the per-token state is split by vocab like the logits that
         # update it, so a pick's outputs come back in the sharding warm-up compiled for.
         by_vocab = mesh is not None and vocab_size % mesh.devices.size == 0
@@ -321,7 +353,7 @@ class SlotPicker:
         self.prompt_mask = place(np.zeros((num_slots, vocab_size), bool))
         self.last_tokens = commit(np.zeros((num_slots,), np.int32), mesh)
         # Every slot's settings (prompt mask aside: it is its own array); empty slots sample
-        # greedily, unread. Rows change one by one, as owners do.
+        # greedily, unread. Rows change as owners do.
         self.settings = commit(
             SampleRows(self.batch([None] * num_slots), None, np.zeros((num_slots,), np.int32)),
             mesh,
@@ -334,26 +366,53 @@ class SlotPicker:
         owners = [None if s is None else s.admitted for s in slots]
         if owners == self._owners:
             return
-        for seq, old in zip(slots, self._owners, strict=True):
-            if seq is not None and seq.admitted != old:
-                self._set_row(seq)
+        new = [
+            seq
+            for seq, old in zip(slots, self._owners, strict=True)
+            if seq is not None and seq.admitted != old
+        ]
+        for first in range(0, len(new), self.max_admitted):
+            self._set_rows(new[first : first + self.max_admitted])
         self._owners = owners
 
-    def _set_row(self, seq: SequenceState) -> None:
-        vocab = self.vocab_size
-        counts = np.bincount(np.asarray(seq.generated, np.int64), minlength=vocab)
-        mask = np.bincount(np.asarray(seq.prompt, np.int64), minlength=vocab) > 0
-        settings = SampleRows(
-            self.batch([seq.params], on_device=False),
-            None,
-            np.array([seq.params.max_tokens], np.int32),
+    def _set_rows(self, seqs: list[SequenceState]) -> None:
+        """The sampler rows of up to ``max_admitted`` sequences, in one transfer of their
+        token ids and settings and one program (``_set_rows``)."""
+        pad = self.max_admitted - len(seqs)
+        held = [seq.tokens for seq in seqs]
+        width = rung(self.token_ladder, max(map(len, held)))
+        tokens = np.zeros((self.max_admitted, width), np.int32)
+        for row, ids in enumerate(held):
+            tokens[row, : len(ids)] = ids
+        host = self._admission(
+            [seq.slot for seq in seqs] + [self.num_slots] * pad,
+            tokens,
+            [len(seq.prompt) for seq in seqs] + [0] * pad,
+            [len(ids) for ids in held] + [0] * pad,
+            [seq.params for seq in seqs] + [None] * pad,
         )
-        host = (np.int32(seq.slot), counts[:vocab].astype(np.int32), mask[:vocab], settings)
-        self._apply_row(*jax.device_put(host))  # one transfer
+        self._apply_rows(*jax.device_put(host))  # one transfer
 
-    def _apply_row(self, slot, counts_row, mask_row, settings) -> None:
-        self.counts, self.prompt_mask, self.settings = _set_row(
-            self.counts, self.prompt_mask, self.settings, slot, counts_row, mask_row, settings
+    def _admission(
+        self,
+        slots: list[int],
+        tokens: np.ndarray,
+        prompt_lengths: list[int],
+        lengths: list[int],
+        params: list[SamplingParams | None],
+    ) -> tuple:
+        """``_set_rows``' inputs after the state, on the host."""
+        settings = SampleRows(
+            self.batch(params, on_device=False),
+            None,
+            np.array([0 if p is None else p.max_tokens for p in params], np.int32),
+        )
+        as_ints = lambda xs: np.array(xs, np.int32)
+        return as_ints(slots), tokens, as_ints(prompt_lengths), as_ints(lengths), settings
+
+    def _apply_rows(self, *rows: Any) -> None:
+        self.counts, self.prompt_mask, self.settings = _set_rows(
+            self.counts, self.prompt_mask, self.settings, *rows
         )
 
     def by_slot(self) -> SampleRows:
@@ -479,7 +538,7 @@ class SlotPicker:
     def warm(self, logits: list[jax.Array]) -> None:
         """Runs each pick program (logits shape x sampler passes) and the row setter once on
         no row."""
-        n, vocab = self.num_slots, self.vocab_size
+        n = self.num_slots
         runs = []
         for x in logits:
             rows = x.shape[0]
@@ -495,9 +554,12 @@ class SlotPicker:
             list(pool.map(lambda program: program.compile(), lowered))
         for run in runs:
             self._pick_with(*run)
-        settings = SampleRows(self.batch([None], on_device=False), None, np.zeros((1,), np.int32))
-        host = (np.int32(n), np.zeros((vocab,), np.int32), np.zeros((vocab,), bool), settings)
-        self._apply_row(*jax.device_put(host))
+        nobody = [n] * self.max_admitted  # the admission program at every token width
+        zeros = [0] * self.max_admitted
+        for width in self.token_ladder:
+            tokens = np.zeros((self.max_admitted, width), np.int32)
+            host = self._admission(nobody, tokens, zeros, zeros, [None] * self.max_admitted)
+            self._apply_rows(*jax.device_put(host))
         jax.block_until_ready((self.last_tokens, self.counts))
 
 
@@ -524,6 +586,7 @@ class PagedExecutor:
         max_pages_per_seq: int,
         width_ladder: list[int],
         decode_widths: list[int],
+        max_admitted: int,
         num_speculative_tokens: int = 0,
     ):
         c = model.config
@@ -549,7 +612,10 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
-        self.sampler = SlotPicker(num_slots, c.vocab_size, model.eos_token_ids, self.mesh)
+        self.sampler = SlotPicker(
+            num_slots, c.vocab_size, model.eos_token_ids, max_admitted,
+            max_pages_per_seq * page_size, self.mesh,
+        )  # fmt: skip
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
@@ -764,6 +830,7 @@ class DenseExecutor:
         max_model_len: int,
         max_source_len: int,
         max_num_beams: int,
+        max_admitted: int,
     ):
         self.runner = model.runner
         self.adapter_rows_change_the_program = bool(self.runner.adapter_rows_change_the_program)
@@ -776,8 +843,9 @@ class DenseExecutor:
         state = self.runner.init_state(num_slots, max_model_len, max_source_len)
         self.state = commit_cache(state, self.mesh)
         self.sampler = SlotPicker(
-            num_slots, model.config.vocab_size, model.eos_token_ids, self.mesh
-        )
+            num_slots, model.config.vocab_size, model.eos_token_ids, max_admitted,
+            max_source_len + max_model_len, self.mesh,
+        )  # fmt: skip
         self.new_beam_lane()
 
     def new_beam_lane(self) -> None:

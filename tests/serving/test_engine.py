@@ -17,8 +17,11 @@ from helpers import CompileCounter, random_prompt
 
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
+from spark_jax.ops.sampling import SamplerBatch
 from spark_jax.serving.engine import Engine
+from spark_jax.serving.executor import SAMPLER_WIDTH, SlotPicker
 from spark_jax.serving.pages import PageAllocator
+from spark_jax.serving.scheduler import SequenceState
 
 
 def mixed_params(i: int, max_tokens: int) -> sj.SamplingParams:
@@ -86,6 +89,39 @@ def test_the_page_allocator_refuses_what_it_does_not_have():
         pages.allocate(2)
     pages.free(taken)
     assert pages.in_use == 0 and sorted(pages.allocate(4)) == [0, 1, 2, 3]
+
+
+def test_admitted_rows_sampler_state_is_built_on_the_device_as_the_host_would_build_it():
+    """Counts of the output so far, the prompt's mask and the settings, for more sequences
+    than one admission program takes (two programs), one of them preempted with output;
+    the slots nobody joined keep their rows."""
+    vocab, eos = 40, (3,)
+    picker = SlotPicker(8, vocab, eos, max_admitted=2, max_len=200)
+    rng = np.random.RandomState(0)
+    seqs = []
+    for i, (prompt_len, out_len) in enumerate([(5, 0), (70, 0), (1, 9), (130, 60)]):
+        params = dataclasses.replace(mixed_params(i, 64), seed=i)  # the engine sets every seed
+        seq = SequenceState(i, rng.randint(0, vocab, prompt_len).tolist(), params=params)
+        seq.generated = rng.randint(0, vocab, out_len).tolist() + [vocab - 1] * (out_len > 0)
+        seq.slot, seq.admitted = [6, 0, 3, 7][i], i
+        seqs.append(seq)
+    before = {slot: np.asarray(picker.counts[slot]) for slot in (1, 2, 4, 5)}
+    slots = [None] * 8
+    for seq in seqs:
+        slots[seq.slot] = seq
+    picker.sync(slots)
+    counts, mask = np.asarray(picker.counts), np.asarray(picker.prompt_mask)
+    settings = jax.tree.map(np.asarray, picker.settings)
+    for seq in seqs:
+        want_counts = np.bincount(seq.generated, minlength=vocab)
+        np.testing.assert_array_equal(counts[seq.slot], want_counts)
+        np.testing.assert_array_equal(mask[seq.slot], np.bincount(seq.prompt, minlength=vocab) > 0)
+        row = SamplerBatch.from_params([seq.params], vocab, eos, min_width=SAMPLER_WIDTH)
+        got = jax.tree.map(lambda x, slot=seq.slot: x[slot], settings.sampler)
+        jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(lambda x: x[0], row))
+        assert settings.max_tokens[seq.slot] == seq.params.max_tokens
+    for slot, row in before.items():
+        np.testing.assert_array_equal(counts[slot], row)
 
 
 # ------------------------------------------------------------------------ the acceptance
