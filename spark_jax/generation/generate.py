@@ -21,7 +21,16 @@ A batch with a guided row (``SamplingParams.guided``) runs one step per host syn
 step's two halves: the forward of step n+1 is dispatched, then the host reads step n's
 tokens, advances the rows' grammars and fills their masks (``generation.guided``) while the
 forward runs, then dispatches the pick with the masks. Free rows of that batch get all-ones
-masks, which leave their tokens as they are.
+masks, which leave their tokens as they are. Two programs a step are the least that lets the
+matcher overlap the model: a step's tokens reach the host only when its program ends, so a
+pick fused with the next forward would leave the device idle while the host fills the masks.
+The two keep their cost to a dispatch each: the pick's program leaves the cache out (it
+never reads it), and each forward takes over the spent logits' buffer, so every buffer of
+the forward keeps its address and its CUDA graph runs as recorded (``step.forward``).
+
+``timings`` of the results say where the host's time went: ``wait_s`` blocked on the device's
+tokens (after the first), ``dispatch_s`` in dispatching steps, ``mask_s`` filling and
+uploading guided masks. A loop whose host waits on nothing is bound by the host.
 """
 
 from __future__ import annotations
@@ -136,8 +145,38 @@ class _Batch(NamedTuple):
         return dataclasses.replace(self.rows, allowed=jax.device_put(bitmask))
 
 
-def _start(model, prompts, plist, adapters, guides) -> tuple[_Batch, Carry, Chunk]:
-    """Prefill every prompt and pick each first token: the batch, its carry, its first chunk."""
+class _Stopwatch:
+    """Host seconds per activity of the loop, summed: ``with watch("wait_s"): ...``."""
+
+    def __init__(self, *names: str):
+        self.seconds = dict.fromkeys(names, 0.0)
+        self._name = ""
+        self._start = 0.0
+
+    def __call__(self, name: str) -> _Stopwatch:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds[self._name] += time.perf_counter() - self._start
+
+
+def _pick(rule: Sampling, logits: jax.Array, carry: Carry, rows: SampleRows) -> tuple[Carry, Chunk]:
+    """``step.pick`` on the carry without its cache: the pick never reads the cache, so the
+    program need not take (and donate, and alias) its buffers, one pair a layer."""
+    picked, chunk = pick(rule, logits, dataclasses.replace(carry, state=None), rows)
+    return dataclasses.replace(picked, state=carry.state), chunk
+
+
+def _start(
+    model, prompts, plist, adapters, guides, split: bool
+) -> tuple[_Batch, Carry, Chunk, jax.Array]:
+    """Prefill every prompt and pick each first token: the batch, its carry, its first chunk
+    and the prefill's logits (whose buffer a split step's forward takes over). ``split``:
+    every step as a guided batch runs it (``LoopOptions.split_step``)."""
     runner = model.runner
     n = len(prompts)
     requests = [
@@ -153,7 +192,7 @@ def _start(model, prompts, plist, adapters, guides) -> tuple[_Batch, Carry, Chun
     rule = Sampling(
         greedy=all(p.plain_greedy for p in plist),
         want_logprobs=any(p.logprobs is not None for p in plist),
-        guided=any(g is not None for g in guides),
+        guided=split or any(g is not None for g in guides),
         passes=SamplerPasses.for_params(plist, vocab),
     )
     # Plain greedy reads neither the prompt mask nor the output counts: [B, 1] stand-ins spare
@@ -182,22 +221,24 @@ def _start(model, prompts, plist, adapters, guides) -> tuple[_Batch, Carry, Chun
     batch = _Batch(requests, lora, rows, rule, guides, vocab)
     if rule.guided:
         rows = batch.masked()
-    carry, chunk = pick(rule, logits, Carry(state, tokens, active, generated, counts), rows)
-    return batch, carry, chunk
+    carry, chunk = _pick(rule, logits, Carry(state, tokens, active, generated, counts), rows)
+    return batch, carry, chunk, logits
 
 
 def _run_loop(model, prompts, plist, adapters, guides, results, loop: LoopOptions, stream: bool):
     t0 = time.perf_counter()
     runner = model.runner
-    batch, carry, chunk = _start(model, prompts, plist, adapters, guides)
+    batch, carry, chunk, logits = _start(model, prompts, plist, adapters, guides, loop.split_step)
     requests = batch.requests
     limits = RowLimits.of(requests)
     host_done = np.zeros(len(prompts), bool)
     sent_done = np.zeros(len(prompts), bool)  # rows whose end the device was told of
     timings: dict[str, float] = {}
+    watch = _Stopwatch("wait_s", "dispatch_s", "mask_s")
     syncs = 0
-    guided = batch.rule.guided
-    steps_per_sync = 1 if guided else loop.steps_per_sync  # a mask needs the last token
+    split = batch.rule.guided  # each step as forward, then pick with the masks
+    logits = logits if split else None  # its buffer is the split forward's to take over
+    steps_per_sync = 1 if split else loop.steps_per_sync  # a mask needs the last token
     chunk_steps = 1  # decode steps in ``chunk`` (the first holds the prefill's pick)
     while True:
         # Dispatch the next chunk of steps (a guided batch: the next step's forward) before
@@ -208,25 +249,30 @@ def _run_loop(model, prompts, plist, adapters, guides, results, loop: LoopOption
             not host_done[r.index] and len(r.tokens) + chunk_steps < r.params.max_tokens
             for r in requests
         )
-        if ahead and guided:
-            logits, carry = forward(
-                runner.decode_fn, batch.rule, runner.params, batch.lora, carry, batch.rows
-            )
+        if ahead and split:
+            with watch("dispatch_s"):  # its pick is dispatched: ``logits`` are spent
+                logits, carry = forward(
+                    runner.decode_fn, batch.rule, runner.params, batch.lora, carry, None, logits
+                )
         elif ahead:
             carry, sent_done = _retire_on_device(carry, host_done, sent_done)
-            carry, next_chunk = run_chunk(
-                runner.decode_fn,
-                batch.rule,
-                runner.params,
-                batch.lora,
-                carry,
-                batch.rows,
-                num_steps=steps_per_sync,
-                exit_early=loop.exit_early,
-            )
-        host = _to_host(chunk, batch.rule.want_logprobs)
+            with watch("dispatch_s"):
+                carry, next_chunk = run_chunk(
+                    runner.decode_fn,
+                    batch.rule,
+                    runner.params,
+                    batch.lora,
+                    carry,
+                    batch.rows,
+                    num_steps=steps_per_sync,
+                    exit_early=loop.exit_early,
+                )
         if syncs == 0:
+            host = _to_host(chunk, batch.rule.want_logprobs)
             timings["ttft_s"] = time.perf_counter() - t0
+        else:
+            with watch("wait_s"):
+                host = _to_host(chunk, batch.rule.want_logprobs)
         syncs += 1
         if not host.valid.any():
             # The device retired rows the host still runs: its stop rule must be a subset of
@@ -242,12 +288,16 @@ def _run_loop(model, prompts, plist, adapters, guides, results, loop: LoopOption
             break
         if not ahead:
             raise RuntimeError("rows outlived their max_tokens on the host; this is a bug.")
-        if guided:  # the pick of the step whose forward runs, with the masks its tokens need
+        if split:  # the pick of the step whose forward runs, with the masks its tokens need
             carry, sent_done = _retire_on_device(carry, host_done, sent_done)
-            carry, next_chunk = pick(batch.rule, logits, carry, batch.masked())
+            with watch("mask_s"):
+                rows = batch.masked()
+            with watch("dispatch_s"):
+                carry, next_chunk = _pick(batch.rule, logits, carry, rows)
         chunk, chunk_steps = next_chunk, steps_per_sync
     timings["total_s"] = time.perf_counter() - t0
     timings["host_syncs"] = syncs
+    timings.update(watch.seconds)
     if results is not None:
         results.extend(r.result(timings) for r in requests)
 

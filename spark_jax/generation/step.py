@@ -54,10 +54,16 @@ class LoopOptions:
         reads the loop predicate after every step; a fixed count wastes at most
         ``steps_per_sync - 1`` steps after the last row ends. Which is faster end to end
         depends on the model's step time (``python -m benchmarks nllb`` compares them).
+    split_step: run every step of ``generate`` / ``generate_batch`` as a batch with a guided
+        row runs it, whether or not a row is guided: one step per sync, as two programs
+        (``forward``, then ``pick`` with a mask uploaded between them; all ones on free
+        rows). For measuring that shape apart from the grammars' work (``benchmarks
+        guided``).
     """
 
     steps_per_sync: int = 8
     exit_early: bool = True
+    split_step: bool = False
 
     def __post_init__(self) -> None:
         if self.steps_per_sync < 1:
@@ -284,12 +290,32 @@ def one_step(
     return step(fn, rule, params, lora, carry, rows, rule.empty_record(carry, rows, 1), 0)
 
 
-@partial(jax.jit, static_argnames=("fn", "rule"), donate_argnames=("carry",))
+# keep_unused: ``spent`` is never read, and an argument jit drops is donated to nothing.
+@partial(
+    jax.jit,
+    static_argnames=("fn", "rule"),
+    donate_argnames=("carry", "spent"),
+    keep_unused=True,
+)
 def forward(
-    fn: Callable, rule: Rule, params: Any, lora: Any, carry: Carry, rows: Any
+    fn: Callable,
+    rule: Rule,
+    params: Any,
+    lora: Any,
+    carry: Carry,
+    rows: Any,
+    spent: jax.Array | None = None,
 ) -> tuple[jax.Array, Carry]:
     """The model's half of a step alone: (logits, the carry with the new cache); ``pick`` on
-    them is the other half."""
+    them is the other half.
+
+    ``spent``: logits of an earlier step that nothing reads any more (their pick dispatched),
+    donated so that the new logits take their buffer. With the cache and the carry donated
+    too, every buffer of the program keeps its address from step to step, so on the GPU its
+    command buffer (CUDA graph) is launched as recorded instead of re-recorded for new
+    addresses on every call, which costs host time for each of its kernels.
+    """
+    del spent
     logits, state = rule.forward(fn, params, carry, rows, lora)
     return logits, dataclasses.replace(carry, state=state)
 

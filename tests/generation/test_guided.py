@@ -250,6 +250,51 @@ def test_a_batch_of_the_same_shape_and_another_mix_compiles_nothing(tiny, mixed)
     assert counter.count == 0
 
 
+def test_a_guided_step_is_a_forward_and_a_pick_whose_buffers_keep_their_addresses(
+    tiny, mixed, monkeypatch
+):
+    # The matcher overlaps the forward only with the step in two programs; each stays a
+    # dispatch: the pick never takes the cache, and each forward takes over the spent logits'
+    # buffer (every buffer of the forward keeps its address: its CUDA graph runs as recorded).
+    import spark_jax.generation.generate as generate
+
+    calls, logits_buffers = [], []
+
+    def forward(*args, **kwargs):
+        logits, carry = real_forward(*args, **kwargs)
+        calls.append("forward")
+        logits_buffers.append(logits.unsafe_buffer_pointer())
+        return logits, carry
+
+    def pick(rule, logits, carry, rows):
+        calls.append("pick")
+        assert carry.state is None and rows.allowed is not None
+        return real_pick(rule, logits, carry, rows)
+
+    real_forward, real_pick = generate.forward, generate.pick
+    monkeypatch.setattr(generate, "forward", forward)
+    monkeypatch.setattr(generate, "pick", pick)
+    prompts, params, batch, _ = mixed
+    results = sj.generate_batch(tiny, prompts, params)
+    assert [r.output_tokens for r in results] == [r.output_tokens for r in batch]
+    steps = max(len(r.output_tokens) for r in results)
+    assert calls == ["pick"] + ["forward", "pick"] * (steps - 1)  # the prefill's pick first
+    assert len(set(logits_buffers)) == 1
+    timings = results[0].timings
+    assert timings["host_syncs"] == steps and timings["mask_s"] > 0
+    assert 0 < timings["wait_s"] + timings["dispatch_s"] < timings["total_s"]
+
+
+def test_free_rows_in_split_steps_give_the_fused_loops_tokens(tiny, mixed):
+    prompts, params, *_ = mixed
+    free = [dataclasses.replace(p, guided=None) for p in params]
+    split = sj.LoopOptions(split_step=True)
+    fused = sj.generate_batch(tiny, prompts, free)
+    assert [r.output_tokens for r in sj.generate_batch(tiny, prompts, free, loop=split)] == [
+        r.output_tokens for r in fused
+    ]
+
+
 # -------------------------------------------------------------------------- the engine
 
 
