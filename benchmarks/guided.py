@@ -11,6 +11,10 @@ token trie, so its shape matters more than its words). ``sj.generate_batch`` of 
 
 - free: every row unconstrained (EOS ignored), the default device loop (8 steps per sync);
 - free_sync1: the same with one step per sync (a guided batch's sync pattern, no masks);
+- split: the free rows through the guided loop's shape (``LoopOptions(split_step=True)``):
+  each step two programs, the forward then the pick, with an all-ones mask uploaded between
+  them; no grammar. Against free_sync1 it is the cost of that shape; guided against it, the
+  cost of the grammars' work;
 - guided: half the rows held to a JSON schema, the other half free. The schema's first field
   is a string of at least 9 bytes per step, so every guided row stays constrained (its mask
   computed on the host each step) for the whole run.
@@ -19,6 +23,11 @@ Each figure is the decode-phase time per step (after the first token), the media
 calls after one that compiles. ``guided_overhead`` is guided over free, minus 1 (the target:
 <= 0.10). Also measured apart: the host's matcher work per step for the guided rows
 (``advance`` then ``fill_bitmask``), which the guided loop overlaps with the step's forward.
+
+Where the host's time goes, per step of the same median call (the loop's ``timings``): how
+long it waited for the device's tokens, dispatched the steps, filled and uploaded the masks.
+A variant whose host waits ~0 is bound by the host (the device waits for it instead): its
+step time is the host's work, and the step minus the wait is the host's busy time.
 """
 
 from __future__ import annotations
@@ -110,22 +119,42 @@ def schema(new_tokens: int) -> dict[str, Any]:
     }
 
 
-def step_ms(results: list[Any]) -> float:
-    """Decode-phase time per step of one call: the time after its first token over the steps
-    after the first."""
-    timings = results[0].timings
-    steps = max(len(r.output_tokens) for r in results) - 1
-    return (timings["total_s"] - timings["ttft_s"]) / steps * 1e3
+@dataclass(frozen=True)
+class StepTime:
+    """One call's decode phase per step (ms): its time, and the host's waits for the device,
+    its dispatches and its mask work within it (None: the tree under test does not say)."""
+
+    step: float
+    wait: float | None
+    dispatch: float | None
+    mask: float | None
+
+    @classmethod
+    def of(cls, results: list[Any]) -> StepTime:
+        """The time after the first token over the steps after the first."""
+        timings = results[0].timings
+        steps = max(len(r.output_tokens) for r in results) - 1
+        per_step = lambda key: timings[key] / steps * 1e3 if key in timings else None
+        return cls(
+            (timings["total_s"] - timings["ttft_s"]) / steps * 1e3,
+            per_step("wait_s"),
+            per_step("dispatch_s"),
+            per_step("mask_s"),
+        )
+
+    def row(self, label: str, free: StepTime) -> list[Any]:
+        return [label, self.step, self.step / free.step - 1.0, self.wait, self.dispatch, self.mask]
 
 
-def measure(call: Any, repeats: int) -> tuple[float, list[Any]]:
-    """One call that compiles, then the median step time of ``repeats`` calls."""
+def measure(call: Any, repeats: int) -> tuple[StepTime, list[Any]]:
+    """One call that compiles, then the call of the median step time of ``repeats``."""
     call()
-    times, results = [], []
+    measured = []
     for _ in range(repeats):
         results = call()
-        times.append(step_ms(results))
-    return sorted(times)[len(times) // 2], results
+        measured.append((StepTime.of(results), results))
+    measured.sort(key=lambda m: m[0].step)
+    return measured[len(measured) // 2]
 
 
 def host_mask_ms(model: Any, params: list[Any], outputs: list[list[int]]) -> tuple[float, bool]:
@@ -162,38 +191,61 @@ def run(tiny: bool, peer: bool = True) -> Report:
     guided = [sj.SamplingParams(temperature=0.0, max_tokens=plan.new_tokens, guided=constraint)]
     mixed = guided * half + [free] * (plan.batch - half)
     one_step = sj.LoopOptions(steps_per_sync=1)
+    try:
+        split_step = sj.LoopOptions(split_step=True)
+    except TypeError:  # a tree from before the option
+        split_step = None
 
-    free_ms, _ = measure(lambda: sj.generate_batch(model, prompts, free), plan.repeats)
-    sync1_ms, _ = measure(
+    report = Report()
+    free_t, _ = measure(lambda: sj.generate_batch(model, prompts, free), plan.repeats)
+    sync1_t, free_results = measure(
         lambda: sj.generate_batch(model, prompts, free, loop=one_step), plan.repeats
     )
-    guided_ms, results = measure(lambda: sj.generate_batch(model, prompts, mixed), plan.repeats)
+    split_t = None
+    if split_step is not None:
+        split_t, split_results = measure(
+            lambda: sj.generate_batch(model, prompts, free, loop=split_step), plan.repeats
+        )
+        if [r.output_tokens for r in split_results] != [r.output_tokens for r in free_results]:
+            report.notes.append("the split steps changed the free rows' tokens: check failed")
+    else:
+        report.notes.append("split: this tree has no LoopOptions.split_step")
+    guided_t, results = measure(lambda: sj.generate_batch(model, prompts, mixed), plan.repeats)
     outputs = [r.output_tokens for r in results[:half]]
     mask_ms, kept = host_mask_ms(model, mixed[:half], outputs)
 
-    report = Report()
-    report.figures["guided_ms_step"] = guided_ms
+    report.figures["guided_ms_step"] = guided_t.step
     report.figures["host_mask_ms_step"] = mask_ms
-    report.peers["free_ms_step"] = free_ms
-    report.peers["free_sync1_ms_step"] = sync1_ms
-    report.ratios["guided_overhead"] = guided_ms / free_ms - 1.0
-    report.ratios["guided_over_sync1"] = guided_ms / sync1_ms - 1.0
+    report.peers["free_ms_step"] = free_t.step
+    report.peers["free_sync1_ms_step"] = sync1_t.step
+    report.ratios["guided_overhead"] = guided_t.step / free_t.step - 1.0
+    report.ratios["guided_over_sync1"] = guided_t.step / sync1_t.step - 1.0
+    if split_t is not None:
+        report.figures["split_ms_step"] = split_t.step
+        report.ratios["split_over_sync1"] = split_t.step / sync1_t.step - 1.0
+        report.ratios["guided_over_split"] = guided_t.step / split_t.step - 1.0
     still_guided = sum(r.finish_reason == "length" for r in results[:half])
+    variants = {"free": free_t, "free_sync1": sync1_t, "split": split_t, "guided": guided_t}
     report.details = {
         "plan": plan.__dict__,
         "guided_rows": half,
         "guided_rows_constrained_to_the_end": still_guided,
         "guided_text_sample": results[0].text[:80] if results[0].text else "",
+        "host_ms_per_step": {k: t.__dict__ for k, t in variants.items() if t is not None},
     }
     if still_guided != half:
         report.notes.append(f"only {still_guided} of {half} guided rows ran every step")
     if not kept:
         report.notes.append("a guided row picked a token its grammar forbids: check failed")
     report.table = [
-        ["batch", "ms/step", "vs free"],
-        [f"free, {plan.batch} rows, 8 steps/sync", free_ms, 0.0],
-        [f"free, {plan.batch} rows, 1 step/sync", sync1_ms, sync1_ms / free_ms - 1.0],
-        [f"{half} JSON-schema rows + {plan.batch - half} free", guided_ms, guided_ms / free_ms - 1],
-        [f"host matcher work, {half} rows (overlapped)", mask_ms, None],
+        ["batch", "ms/step", "vs free", "host waits", "dispatch", "masks"],
+        free_t.row(f"free, {plan.batch} rows, 8 steps/sync", free_t),
+        sync1_t.row(f"free, {plan.batch} rows, 1 step/sync", free_t),
+    ]
+    if split_t is not None:
+        report.table.append(split_t.row("free, split steps (all-ones masks)", free_t))
+    report.table += [
+        guided_t.row(f"{half} JSON-schema rows + {plan.batch - half} free", free_t),
+        [f"host matcher work, {half} rows (overlapped)", mask_ms, None, None, None, None],
     ]
     return report
