@@ -11,7 +11,7 @@ tokens a drafter must guess.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,7 +24,6 @@ import optax
 from spark_jax.config import ModelConfig
 from spark_jax.model import Model
 from spark_jax.models import draft_head
-from spark_jax.models.common import bucket
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,8 @@ class HeadTraining:
     token_positions: positions per step whose cross-entropy is computed (the LM head over the
         whole vocabulary is most of a step's cost; the state loss covers every position).
     state_weight: the weight of the state loss beside the token loss.
+    soft_labels: learn the target's whole next-token distribution (its LM head on h_{p+1})
+        instead of its pick alone: more signal per position, so fewer data suffice.
     """
 
     steps: int = 300
@@ -44,6 +45,7 @@ class HeadTraining:
     weight_decay: float = 0.01
     token_positions: int = 256
     state_weight: float = 1.0
+    soft_labels: bool = False
     seed: int = 0
 
 
@@ -60,9 +62,10 @@ def target_states(
     model: Model, sequences: Sequence[Sequence[int]], batch_size: int = 16
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens int32[N, T], lengths int32[N], the target's final hidden states f32[N, T, D])
-    of every sequence, padded to one bucketed length T."""
+    of every sequence, padded to one length T (a multiple of 16: training compiles one shape,
+    so the power-of-two ladder would only add padding)."""
     runner = model.runner
-    width = bucket(max(len(s) for s in sequences))
+    width = -(-max(len(s) for s in sequences) // 16) * 16
     tokens = np.zeros((len(sequences), width), np.int32)
     for i, s in enumerate(sequences):
         tokens[i, : len(s)] = s
@@ -86,12 +89,14 @@ def train_draft_head(
     config: ModelConfig | None = None,
     training: HeadTraining = HeadTraining(),
     params: Any = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> TrainedHead:
     """Trains a head for ``model`` on ``sequences`` (prompt + the model's continuation; the
     first ``prompt_lengths[i]`` tokens of each are its prompt).
 
     ``config``: the head's block (``draft_head.head_config``; default: one target-sized layer);
-    ``params``: where to start (default: random). Returns the head and its losses.
+    ``params``: where to start (default: random); ``on_step(step, loss)``: called after each
+    step (progress). Returns the head and its losses.
     """
     if len(sequences) != len(prompt_lengths):
         raise ValueError("give one prompt length per sequence.")
@@ -129,8 +134,11 @@ def train_draft_head(
             config=config,
             target_config=model.config,
             state_weight=training.state_weight,
+            soft_labels=training.soft_labels,
         )
         losses.append(float(loss))
+        if on_step is not None:
+            on_step(len(losses), losses[-1])
     return TrainedHead(params, config, losses)
 
 
@@ -141,7 +149,10 @@ def _token_positions(weights: np.ndarray, n: int, rng: np.random.RandomState) ->
     return np.stack([rows[chosen], positions[chosen]], axis=1).astype(np.int32)
 
 
-@partial(jax.jit, static_argnames=("optimizer", "config", "target_config", "state_weight"))
+@partial(
+    jax.jit,
+    static_argnames=("optimizer", "config", "target_config", "state_weight", "soft_labels"),
+)
 def _train_step(
     params,
     opt_state,
@@ -156,6 +167,7 @@ def _train_step(
     config,
     target_config,
     state_weight,
+    soft_labels,
 ):
     def loss_fn(p):
         b, t = tokens.shape
@@ -170,8 +182,16 @@ def _train_step(
         state_loss = jnp.sum(error * weights) / jnp.maximum(jnp.sum(weights), 1)
         chosen = h_next[pick[:, 0], pick[:, 1]]
         logits = draft_head.lm_logits(target_params, target_config, chosen)
-        labels = tokens[pick[:, 0], pick[:, 1] + 2]
-        token_loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+        if soft_labels:
+            # The target's distribution of t_{p+2} is its LM head on its own h_{p+1}.
+            target = draft_head.lm_logits(
+                target_params, target_config, states[pick[:, 0], pick[:, 1] + 1]
+            )
+            ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(target, axis=-1))
+        else:
+            labels = tokens[pick[:, 0], pick[:, 1] + 2]
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        token_loss = jnp.mean(ce)
         return token_loss + state_weight * state_loss
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
