@@ -47,6 +47,13 @@ more, and that token is dropped; a request's output is exactly what it is withou
 A speculative row's drafts need its last tokens, so while one has a step in flight that step
 is read before the next is planned (as for guided rows): speculation trades the overlap for
 several tokens per step.
+
+Multi-step decode (``num_scheduler_steps`` N > 1): a step that admits and prefills nothing
+decodes its rows N steps in one device call (``Scheduler.extend``, ``_decode_chunk``), each
+row N tokens or up to its max_tokens; they are read as one step's, through the same stop
+rule: the tokens after a stop (id or string) are dropped, as a token decoded past a stop
+before the host read it is. While a sequence waits, a call that would run some row to
+its max_tokens before its end is one step instead, so the finish frees the slot at once.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
 # Constructor keywords by model kind (max_num_seqs, max_model_len, max_prefill_seqs: both).
 DECODER_ONLY_OPTIONS = ("max_batch_tokens", "kv_pages", "page_size", "min_chunk")
 DECODER_ONLY_OPTIONS += ("min_decode_pages", "decode_widths", "gpu_memory_utilization")
-DECODER_ONLY_OPTIONS += ("max_num_batched_tokens",)
+DECODER_ONLY_OPTIONS += ("max_num_batched_tokens", "num_scheduler_steps")
 
 log = logging.getLogger("spark_jax.serving")
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
@@ -180,6 +187,13 @@ class Engine:
     min_chunk, min_decode_pages: the lowest rungs of the prefill-length and block-table
         ladders; raising them trades padding for fewer compiles (each costs ~25 s for an
         unrolled 8B model on the H200).
+    num_scheduler_steps: decode steps per device call (vLLM's multi-step scheduling; default
+        1). With more, a step that only decodes runs that many steps in one call when no
+        row is guided, speculative, adapted or asks for top-k / top-p / top logprobs, and
+        the pages of their keys are free: the host's work per token (planning, dispatch,
+        reading) is shared by the steps. Outputs are unchanged; a row that finishes inside
+        a call frees its slot at the call's end. Warm-up compiles one more program per
+        decode width.
 
     Encoder-decoder models:
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
@@ -211,6 +225,7 @@ class Engine:
         max_source_len: int | None = None,
         max_num_beams: int | None = None,
         speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+        num_scheduler_steps: int | None = None,
     ):
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
@@ -218,6 +233,7 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens,
             max_source_len=max_source_len, max_num_beams=max_num_beams,
+            num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
         encoder_decoder = bool(model.config.is_encoder_decoder)
         wrong = DECODER_ONLY_OPTIONS if encoder_decoder else ENCODER_DECODER_OPTIONS
@@ -263,6 +279,7 @@ class Engine:
                 decode_widths,
                 gpu_memory_utilization,
                 max_num_batched_tokens,
+                num_scheduler_steps or 1,
             )
         self._requests: dict[int, _Request] = {}
         self._in_flight: list[Picks] = []  # the last dispatched step's picks, not yet read
@@ -286,7 +303,11 @@ class Engine:
         decode_widths: Sequence[int] | None,
         gpu_memory_utilization: float | None,
         max_num_batched_tokens: int | None,
+        num_scheduler_steps: int,
     ) -> None:
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}.")
+        self.num_scheduler_steps = num_scheduler_steps
         for name, value in (("max_batch_tokens", max_batch_tokens), ("min_chunk", min_chunk)):
             if value < MIN_CHUNK or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= {MIN_CHUNK}, got {value}")
@@ -336,6 +357,7 @@ class Engine:
             widths,
             top_rows,
             0 if self.speculative is None else self.speculative.num_speculative_tokens,
+            num_scheduler_steps,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",
@@ -623,6 +645,8 @@ class Engine:
             outputs = [out for picks in previous for out in self._read(picks)]
         self._draft()
         plan = self.scheduler.plan()
+        if isinstance(self.executor, PagedExecutor) and self.executor.chunkable(plan.decode):
+            self.scheduler.extend(plan, self.num_scheduler_steps)
         dispatched: list[Picks] = []
         if not plan.empty:
             dispatched = self.executor.run(plan, self.scheduler.slots)
@@ -640,7 +664,7 @@ class Engine:
         for row, seq in enumerate(picks.seqs):
             if seq is None:
                 continue
-            seq.in_flight -= 1
+            seq.in_flight -= picks.steps_of(row)
             request = self._requests.get(seq.id)
             if request is not None and request.seq is seq:
                 outputs.append(self._emit(seq, host, row))

@@ -40,9 +40,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spark_jax.generation.beam import BeamLane, BeamRequest, BeamResult
+from spark_jax.generation.compile_options import DEVICE_LOOP_OPTIONS
 from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, SpecState, Speculation
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
+from spark_jax.generation.step import step as core_step
 from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
@@ -141,14 +143,18 @@ class HostTokens:
     top_ids: np.ndarray | None = None
     num_accepted: np.ndarray | None = None  # int[B]: a verify step's kept drafts
     num_drafts: np.ndarray | None = None  # int[B]: a verify step's verified drafts
+    num_tokens: np.ndarray | None = None  # int[B]: a multi-step decode's tokens per row
 
     def row_tokens(self, row: int) -> list[tuple[int, int | None]]:
         """(token, position) of each token row ``row`` picked, in order (position None: a
         plain step's one token), as ``request.token_logprobs`` indexes them."""
-        if self.num_accepted is None:
+        if self.num_accepted is not None:
+            n = int(self.num_accepted[row]) + 1
+        elif self.num_tokens is not None:
+            n = int(self.num_tokens[row])
+        else:
             return [(int(self.tokens[row]), None)]
-        n = int(self.num_accepted[row])
-        return [(int(self.tokens[row, i]), i) for i in range(n + 1)]
+        return [(int(t), i) for i, t in enumerate(self.tokens[row, :n].tolist())]
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,10 @@ class Picks:
     record: Chunk
     seqs: list[SequenceState | None]  # by row; None: padding or a row that does not sample
 
+    def steps_of(self, row: int) -> int:
+        """The tokens row ``row`` has in flight in this pick."""
+        return 1
+
     def read(self) -> HostTokens:
         """The picks on the host, by row, in one transfer (waits for the device); the logprob
         fields only when one of the rows asks for them."""
@@ -307,6 +317,79 @@ class VerifyPicks(Picks):
         host = jax.device_get([getattr(self.record, f) for f in fields + counts])
         by_name = dict(zip(fields + counts, (np.asarray(x[:, 0]) for x in host), strict=True))
         return HostTokens(**by_name)
+
+
+@dataclass
+class ChunkPicks(Picks):
+    """A multi-step decode's tokens ([B, steps]), still on the device, and each row's count."""
+
+    steps: list[int]  # by row: the tokens the host counts in flight
+
+    def steps_of(self, row: int) -> int:
+        return self.steps[row]
+
+    def read(self) -> HostTokens:
+        """Every row's tokens, its steps' worth (those past a stop are the host's to drop)."""
+        want = any(s is not None and s.params.logprobs is not None for s in self.seqs)
+        fields = ("tokens", "logprobs", "top_logprobs", "top_ids") if want else ("tokens",)
+        host = jax.device_get([getattr(self.record, f) for f in fields])
+        return HostTokens(*map(np.asarray, host), num_tokens=np.array(self.steps))
+
+
+# A multi-step decode samples like a serving step (its rule's record has the logprob fields)
+# with neither guided rows (their masks need the host every step) nor the sampler's costly
+# passes: one program per decode width, for the rows that ask for none of them.
+CHUNK_RULE = Sampling(
+    greedy=False, want_logprobs=True, guided=False, passes=SamplerPasses(False, False)
+)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("fn", "rule", "num_steps"),
+    donate_argnames=("state", "counts"),
+    compiler_options=DEVICE_LOOP_OPTIONS,
+)
+def _decode_chunk(
+    fn: Callable,
+    rule: Sampling,
+    num_steps: int,
+    params: Any,
+    state: PagedKVCache,
+    row_slots: jax.Array,
+    row_steps: jax.Array,
+    num_generated: jax.Array,
+    by_slot: SampleRows,
+    counts: jax.Array,
+    last_tokens: jax.Array,
+) -> tuple[PagedKVCache, jax.Array, jax.Array, Chunk]:
+    """``num_steps`` decode steps and picks of rows ``row_slots[b]`` in one device call (the
+    generation core's step in a loop, as its ``chunk_loop`` runs it with a fixed count):
+    their last tokens, counts and settings gathered from their slots, the counts and last
+    tokens written back after (padding rows name slot ``S``: dropped), as ``num_steps``
+    serving steps of ``_gather_tokens``, the decode and ``_pick_rows`` would.
+
+    Row b runs its first ``row_steps[b]`` steps (0: padding) whatever it picks: a stop id
+    does not stop it here, as it does not stop a serving step's row before the host reads
+    it (the host drops what follows). So the keys the host counts computed are the keys
+    written, and a page the prefix cache registers holds what its key says.
+
+    The last tokens are not donated, as in ``_pick_rows``."""
+    take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
+    rows = jax.tree.map(take, by_slot)
+    carry = Carry(state, take(last_tokens), row_steps > 0, num_generated, take(counts))
+
+    # The core's step in a loop of its own (the core's ``chunk_loop`` is a jit of its own,
+    # and its compiler options cannot nest): a fixed trip count, no predicate read back.
+    def body(i: jax.Array, loop: tuple[Carry, Chunk]) -> tuple[Carry, Chunk]:
+        carry, record = core_step(fn, rule, params, None, loop[0], rows, loop[1], i)
+        return dataclasses.replace(carry, active=i + 1 < row_steps), record
+
+    record = rule.empty_record(carry, rows, num_steps)
+    carry, record = jax.lax.fori_loop(0, num_steps, body, (carry, record))
+    counts = counts.at[row_slots].set(carry.picker, mode="drop")
+    last_tokens = last_tokens.at[row_slots].set(carry.tokens, mode="drop")
+    return carry.state, counts, last_tokens, record
 
 
 @jax.jit
@@ -588,10 +671,13 @@ class PagedExecutor:
         decode_widths: list[int],
         max_admitted: int,
         num_speculative_tokens: int = 0,
+        num_scheduler_steps: int = 1,
     ):
         c = model.config
         self.runner = model.runner
         self.num_speculative_tokens = num_speculative_tokens  # K: 0 runs no verify step
+        self.num_scheduler_steps = num_scheduler_steps  # a multi-step decode's steps
+        self.num_multi_step_calls = 0  # multi-step decodes run
         self.adapter_rows_change_the_program = bool(self.runner.adapter_rows_change_the_program)
         self.num_slots = num_slots
         self.num_pages = num_pages
@@ -649,14 +735,27 @@ class PagedExecutor:
         self.sampler.sync(slots)
         picks = []
         if plan.decode:
-            picks.append(self._decode(plan.decode))
+            picks.append(self._decode(plan))
         if plan.prefill:
             picks += self._prefill(plan)
         return picks
 
-    def _decode(self, rows: list[SequenceState]) -> Picks:
+    def chunkable(self, rows: Sequence[SequenceState]) -> bool:
+        """Whether ``rows`` can decode several steps in one device call (``_decode_chunk``):
+        none guided or speculative (the host acts on those between steps), none asking for
+        the sampler's costly passes, and no adapters (the chunk takes none)."""
+        if self.num_scheduler_steps < 2 or self.runner.lora_pool is not None:
+            return False
+        if any(s.guide is not None or s.speculative for s in rows):
+            return False
+        return SamplerPasses.for_params([s.params for s in rows], self.sampler.vocab_size) == (
+            CHUNK_RULE.passes
+        )
+
+    def _decode(self, plan: StepPlan) -> Picks:
         """The decoding rows packed at the lowest decode width that holds them (a verify
-        step when one of them has drafts)."""
+        step when one of them has drafts; a multi-step decode when the plan has steps)."""
+        rows = plan.decode
         b = rung(self.decode_widths, len(rows))
         self.decode_steps_by_width[b] += 1
         width = rung(self.width_ladder, max(len(s.pages) for s in rows))
@@ -671,8 +770,13 @@ class PagedExecutor:
         generated[: len(rows)] = [s.num_scheduled for s in rows]
         adapters = [s.adapter for s in rows] + [-1] * (b - len(rows))
         seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
-        for seq in rows:
-            self.table.lengths[seq.slot] += 1
+        for i, seq in enumerate(rows):
+            self.table.lengths[seq.slot] += plan.steps_of(i)
+        if plan.num_steps > 1:
+            steps = np.zeros((b,), np.int32)
+            steps[: len(rows)] = [plan.steps_of(i) for i in range(len(rows))]
+            host = (row_slots, table, lengths, steps, generated)
+            return self._chunk(plan.num_steps, seqs, host)
         if any(s.drafts for s in rows):
             host = (row_slots, table, lengths, active, generated)
             return self._verify(rows, seqs, host, adapters)
@@ -683,6 +787,23 @@ class PagedExecutor:
         tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
         logits, self.state = self.runner.decode(state, tokens, active, **self._lora(adapters))
         return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
+
+    def _chunk(
+        self, num_steps: int, seqs: list[SequenceState | None], host: tuple[np.ndarray, ...]
+    ) -> ChunkPicks:
+        """The decode rows' ``num_steps`` steps in one device call (``_decode_chunk``); ``host``:
+        the rows' slots, block table, lengths, steps each and generated counts."""
+        self.num_multi_step_calls += 1
+        steps = host[3].tolist()
+        row_slots, table, lengths, row_steps, generated = jax.device_put(host)
+        state = self.state.with_block_table(table).with_lengths(lengths)
+        sampler = self.sampler
+        self.state, sampler.counts, sampler.last_tokens, record = _decode_chunk(
+            self.runner.decode_fn, CHUNK_RULE, num_steps, self.runner.params, state,
+            row_slots, row_steps, generated, sampler.by_slot(), sampler.counts,
+            sampler.last_tokens,
+        )  # fmt: skip
+        return ChunkPicks(record, seqs, steps)
 
     def _verify(
         self,
@@ -744,6 +865,10 @@ class PagedExecutor:
             steps += [
                 WarmStep("verify", (b, w)) for b in self.decode_widths for w in self.width_ladder
             ]
+        if self.num_scheduler_steps > 1 and self.runner.lora_pool is None:
+            steps += [
+                WarmStep("chunk", (b, w)) for b in self.decode_widths for w in self.width_ladder
+            ]
         steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
         return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
@@ -753,7 +878,35 @@ class PagedExecutor:
 
     def lower(self, step: WarmStep) -> jax.stages.Lowered:
         """The program of one warm-up step, traced but not compiled."""
+        if step.kind == "chunk":
+            return _decode_chunk.lower(*self._warm_chunk_args(step))
         return _lower(self, step)
+
+    def warm_chunk(self, step: WarmStep) -> None:
+        """Runs a multi-step decode on no row (an empty block table)."""
+        sampler = self.sampler
+        self.state, sampler.counts, sampler.last_tokens, _ = _decode_chunk(
+            *self._warm_chunk_args(step)
+        )
+
+    def _warm_chunk_args(self, step: WarmStep) -> tuple:
+        """``_decode_chunk``'s arguments for a warm-up step, made as ``_chunk`` makes them."""
+        b, width = step.shape
+        host = (
+            np.full((b,), self.num_slots, np.int32),
+            np.full((b, width), self.num_pages, np.int32),
+            np.zeros((b,), np.int32),
+            np.zeros((b,), np.int32),  # no row runs a step
+            np.zeros((b,), np.int32),
+        )
+        row_slots, table, lengths, row_steps, generated = jax.device_put(host)
+        state = self.state.with_block_table(table).with_lengths(lengths)
+        sampler = self.sampler
+        return (
+            self.runner.decode_fn, CHUNK_RULE, self.num_scheduler_steps, self.runner.params,
+            state, row_slots, row_steps, generated, sampler.by_slot(), sampler.counts,
+            sampler.last_tokens,
+        )  # fmt: skip
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         if step.kind in ("decode", "verify"):  # no active row, over an empty block table
@@ -799,6 +952,9 @@ def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmSte
     shapes: dict[int, jax.Array] = {}
     verified: dict[int, jax.Array] = {}
     for step in [s for s in steps if not s.adapted]:
+        if step.kind == "chunk":  # the paged executor's multi-step decode, picks inside
+            executor.warm_chunk(step)
+            continue
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
             logits, executor.state = runner.decode(*args, **kwargs)

@@ -150,10 +150,18 @@ class StepPlan:
     preempted: list[SequenceState] = field(default_factory=list)
     prefill_rows: int = 0  # the prefill batch's rows, padded to the row ladder
     prefill_len: int = 0  # its chunk length, padded to the chunk ladder (0: whole prompts)
+    # A multi-step decode (``Scheduler.extend``): the steps of the device call, and the tokens
+    # each decode row generates in it (fewer where its max_new comes first); empty: one each.
+    num_steps: int = 1
+    decode_steps: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.decode and not self.prefill
+
+    def steps_of(self, row: int) -> int:
+        """The tokens decode row ``row`` generates in this step."""
+        return self.decode_steps[row] if self.decode_steps else 1
 
     @property
     def samples(self) -> list[SequenceState]:
@@ -283,15 +291,18 @@ class Scheduler:
     def advance(self, plan: StepPlan) -> None:
         """Records the keys a step puts in the cache and the tokens it samples, once it is
         dispatched; registers the prefilled pages in the prefix cache."""
-        for seq in plan.decode:
-            seq.num_computed += 1  # the last token; a speculative row's drafts: ``accept``
+        for i, seq in enumerate(plan.decode):
+            # The last token (a multi-step decode: its tokens but the last); a speculative
+            # row's drafts: ``accept``.
+            seq.num_computed += plan.steps_of(i)
+            seq.in_flight += plan.steps_of(i)
             seq.drafts = []
         for row in plan.prefill:
             row.seq.num_computed = row.start + row.length
             self.num_prefilled_tokens += row.length
             self.register_pages(row.seq)
-        for seq in plan.samples:
-            seq.in_flight += 1
+            if row.last:
+                row.seq.in_flight += 1
 
     def register_pages(self, seq: SequenceState) -> None:
         """Registers the full pages of ``seq`` whose keys are computed and whose tokens the
@@ -314,6 +325,31 @@ class Scheduler:
             if len(seq.pages) > keep:
                 self.pages.free(seq.pages[keep:])
                 seq.pages = seq.pages[:keep]
+
+    def extend(self, plan: StepPlan, num_steps: int) -> bool:
+        """Makes a plan of decode rows only a multi-step decode of ``num_steps`` steps in one
+        device call, when the pages of every row's keys are free: each row generates
+        ``num_steps`` tokens, or fewer where its ``max_new`` comes first, and computes as
+        many keys (a stop id inside the call does not stop its row: the host drops what
+        follows, as it does a token decoded before the stop was read). False (the plan left
+        as it was) when a row lacks pages, or when a finish this policy can foresee would
+        keep a waiting sequence out of its slot for the rest of the call."""
+        if not plan.decode or plan.prefill or plan.preempted or num_steps < 2:
+            return False
+        steps = [min(num_steps, s.max_new - s.num_scheduled) for s in plan.decode]
+        if self.waiting and min(steps) < num_steps:
+            return False
+        if self.pages is not None:
+            need = [
+                max(0, self.pages_for(s.num_computed + n) - len(s.pages))
+                for s, n in zip(plan.decode, steps, strict=True)
+            ]
+            if sum(need) > self.pages.num_free:
+                return False
+            for seq, n in zip(plan.decode, need, strict=True):
+                seq.pages += self.pages.allocate(n)
+        plan.num_steps, plan.decode_steps = num_steps, steps
+        return True
 
     def _cut_drafts_to_budget(self) -> None:
         """Drafts, newest rows' first, cut so the decode rows leave a prefill chunk room

@@ -140,6 +140,72 @@ def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invar
     assert set(engine.executor.decode_steps_by_width) == {1, 2, 4, 8, 16}
 
 
+def multi_step_params(i: int, max_tokens: int) -> sj.SamplingParams:
+    """Settings a multi-step decode takes (no top-k / top-p / top logprobs), by index; every
+    seventh request asks for top-p, so the steps that hold it run one step at a time."""
+    kinds = [
+        dict(temperature=0.0, ignore_eos=True),
+        dict(temperature=1.0, seed=i, logprobs=0),
+        dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=3),
+        dict(temperature=0.9, min_p=0.05, seed=i, stop_token_ids=tuple(range(0, 128, 9))),
+        dict(temperature=1.2, repetition_penalty=1.3, seed=i),
+        dict(temperature=0.0, stop_token_ids=tuple(range(5, 128, 11))),
+        dict(temperature=0.7, top_p=0.9, seed=1000 + i),
+    ]
+    return sj.SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)])
+
+
+def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_page(tiny_llama):
+    """Four decode steps per device call where the rows allow it, over a page pool small
+    enough to preempt: every request's tokens (and logprob) as alone, stops inside a call
+    dropped, nothing compiled after warm-up, every page and slot given back."""
+    _, model = tiny_llama
+    engine = Engine(model, max_num_seqs=8, max_batch_tokens=64, kv_pages=40, num_scheduler_steps=4)
+    engine.warmup()
+    rng = np.random.RandomState(3)
+    prompts = [random_prompt(300 + i, int(rng.randint(1, 100))) for i in range(40)]
+    params = [multi_step_params(i, int(rng.randint(1, 41))) for i in range(40)]
+    with CompileCounter() as counter:
+        results = engine.generate_many(prompts, params)
+    assert counter.count == 0
+    alone = [sj.generate(model, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    assert [r.output_tokens for r in results] == [r.output_tokens for r in alone]
+    assert {r.finish_reason for r in results} == {"length", "stop"}
+    for ours, ref in zip(results, alone, strict=True):
+        if ref.logprobs:
+            got = [lp.logprob for lp in ours.logprobs]
+            assert got == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
+    assert engine.executor.num_multi_step_calls > 0 and engine.num_preemptions > 0
+    assert engine.pages_in_use == 0 and engine.slots_in_use == 0
+    # Requests whose stop id (inside a call) is the last token of a page, then prompts that go
+    # on from their outputs: the prefix cache hands these the pages the first ones left, the
+    # stop id's page included, whose keys must be those of the tokens they name.
+    stops = sj.SamplingParams(
+        temperature=0.0, stop_token_ids=tuple(range(5, 128, 11)), min_tokens=20, max_tokens=40
+    )
+    candidates = [random_prompt(500 + i, 14 + i % 16) for i in range(120)]
+    ends = [sj.generate(model, p, stops) for p in candidates]
+    prompts = [
+        p
+        for p, r in zip(candidates, ends, strict=True)
+        if r.finish_reason == "stop" and (len(p) + len(r.output_tokens)) % 16 == 0
+    ][:4]
+    assert len(prompts) == 4
+    first = engine.generate_many(prompts, stops)
+    assert [r.output_tokens for r in first] == solo(model, prompts, [stops] * 4)
+    again = [p + r.output_tokens + [i] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    greedy = sj.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with CompileCounter() as counter:
+        continued = engine.generate_many(again, greedy)
+    assert counter.count == 0
+    assert all(
+        r.timings["cached_tokens"] == len(p) - 1 for p, r in zip(again, continued, strict=True)
+    )
+    assert [r.output_tokens for r in continued] == solo(model, again, [greedy] * len(again))
+    assert engine.pages_in_use == 0
+    engine.scheduler.pages.check()
+
+
 def system_prompt_requests(n: int, seed: int):
     """``n`` requests: one of 3 system prompts (40 tokens: 2 full pages of 16) + a question."""
     rng = np.random.RandomState(seed)

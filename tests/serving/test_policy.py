@@ -106,6 +106,42 @@ def test_decode_rows_are_oldest_first_and_get_a_page_on_a_boundary():
     assert a.num_computed == 5 and b.num_computed == 4
 
 
+def test_a_multi_step_decode_reserves_every_rows_keys_and_stops_each_at_its_max_new():
+    s = paged(slots=2, pages=8, page_size=4)
+    a, b = seq(0, 4), seq(1, 3)
+    b.max_new = 3
+    for x in (a, b):
+        s.add(x)
+    run_step(s)  # both prefilled and sampled (one token each)
+    plan = s.plan()
+    assert not s.extend(plan, 1) and plan.num_steps == 1  # one step is no extension
+    assert s.extend(plan, 4)
+    assert plan.num_steps == 4 and plan.decode_steps == [4, 2]  # b: 2 tokens to its max_new
+    assert len(a.pages) == 2 and len(b.pages) == 2  # a's keys 4-7, b's keys 3-4
+    s.advance(plan)
+    assert (a.num_computed, a.in_flight) == (8, 4) and (b.num_computed, b.in_flight) == (5, 2)
+
+
+def test_a_multi_step_decode_needs_free_pages_and_no_foreseen_finish_while_one_waits():
+    s = paged(slots=2, pages=3, page_size=4)
+    a, b = seq(0, 4), seq(1, 4)
+    for x in (a, b):
+        s.add(x)
+    run_step(s)  # two pages held, one free
+    plan = s.plan()  # a and b both cross into a page: one is preempted
+    assert plan.preempted and not s.extend(plan, 4)
+    s = paged(slots=1, pages=8, page_size=4)
+    a, c = seq(0, 2), seq(1, 2)
+    a.max_new = 3
+    s.add(a)
+    run_step(s)
+    s.add(c)  # waits for a's slot, which a frees two tokens from now
+    plan = s.plan()
+    assert not s.extend(plan, 4) and plan.decode_steps == [] and len(a.pages) == 1
+    a.max_new = 10
+    assert s.extend(plan, 4)  # no finish foreseen: the call goes on
+
+
 def test_page_exhaustion_preempts_the_newest_which_is_recomputed_with_its_tokens():
     s = paged(slots=2, pages=2, page_size=4)
     old, new = seq(0, 4), seq(1, 4)
