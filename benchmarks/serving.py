@@ -16,17 +16,19 @@ Clients: closed loop at each concurrency C (1, 64, 128, 256): C requests are kep
 new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have finished (C=1
 over all 512 would take most of an hour). One engine (256 slots, 16-token pages, max_model_len
 2048, every shape compiled by ``warmup`` first) serves all levels; its decode step runs the
-smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows.
+smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, and a step that
+only decodes runs ``num_scheduler_steps`` (4) of them in one device call.
 
 Shared-prefix workload: every request is one 1,000-token system prompt, then a 64-token
 question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
 on) and once on a second engine with it off (same shapes: nothing compiles again).
 
 Per level: output tokens/s (tokens of finished requests / wall time), TTFT (submit to first
-token) and TPOT ((finish - first token) / (tokens - 1)), p50 and p99; and the workload's
-roofline: the decode steps it needs (output tokens / C) each reading the weights once, every
-generated token reading its context's keys and values once, at the read ceiling, plus its
-prompts' FLOPs at the matmul rate, both ceilings measured in this run. At C=1 the TPOT is
+token) and TPOT ((finish - first token) / (tokens - 1)), p50 and p99; the host's CPU time per
+output token and per engine step (the driving thread's: waits on the device take none); the
+workload's roofline: the decode steps it needs (output tokens / C) each reading the weights
+once, every generated token reading its context's keys and values once, at the read ceiling,
+plus its prompts' FLOPs at the matmul rate, both ceilings measured in this run. At C=1 the TPOT is
 compared with the bare decode step at one row and the level's mean context (device-timed);
 at C=64 a profile of 24 steps gives the device's idle fraction.
 
@@ -45,6 +47,7 @@ import collections
 import dataclasses
 import gc
 import glob
+import inspect
 import json
 import math
 import os
@@ -95,6 +98,7 @@ class Plan:
     max_prefill_seqs: int = 4
     min_chunk: int = 256  # few prefill shapes: each compile of the unrolled 8B costs ~25 s
     min_decode_pages: int = 32
+    num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
     hf_batch: int = 64
     hf_requests: int = 128
     dtype: str = "bfloat16"
@@ -120,6 +124,7 @@ class Plan:
             max_prefill_seqs=self.max_prefill_seqs,
             min_chunk=self.min_chunk,
             min_decode_pages=self.min_decode_pages,
+            num_scheduler_steps=self.num_scheduler_steps,
         )
 
 
@@ -210,7 +215,10 @@ def build_engine(plan: Plan, **options: Any) -> tuple[Any, dict[str, float]]:
 
     start = time.perf_counter()
     model = sj.Model(plan.config, random_params(plan.config, plan.dtype))
-    engine = sj.Engine(model, **plan.engine_kwargs(), **options)
+    # A tree from before multi-step decode (``--against``) runs one step per call.
+    taken = inspect.signature(sj.Engine).parameters
+    kwargs = {k: v for k, v in plan.engine_kwargs().items() if k in taken}
+    engine = sj.Engine(model, **kwargs, **options)
     built = time.perf_counter()
     engine.warmup()
     return engine, {"init_s": built - start, "warmup_s": time.perf_counter() - built}
@@ -252,7 +260,7 @@ def run_level(
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
     done: list[dict[str, float]] = []
-    trace_dir, steps = None, 0
+    trace_dir, steps, host_cpu = None, 0, 0.0
     start = time.perf_counter()
     while queue or inflight:
         while queue and len(inflight) < concurrency:
@@ -263,7 +271,9 @@ def run_level(
         if profile_steps and steps == profile_steps[0]:
             trace_dir = tempfile.mkdtemp()
             jax.profiler.start_trace(trace_dir)
+        cpu = time.thread_time()  # the host's own work: waits on the device take no CPU
         outputs = engine.step()
+        host_cpu += time.thread_time() - cpu
         steps += 1
         if trace_dir and steps == profile_steps[0] + profile_steps[1]:
             jax.profiler.stop_trace()
@@ -275,6 +285,9 @@ def run_level(
                 record["end"], record["tokens"] = now, len(out.result.output_tokens)
                 done.append(inflight.pop(out.request_id))
     level = summary(done, time.perf_counter() - start, concurrency)
+    level["engine_steps"] = steps
+    level["host_cpu_ms_per_step"] = host_cpu / steps * 1e3
+    level["host_cpu_us_per_token"] = host_cpu / level["output_tokens"] * 1e6
     if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
         level["device_idle"] = device_idle(trace_dir)
     return level
@@ -437,7 +450,7 @@ def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None
 
 def progress(name: str, level: dict[str, Any]) -> None:
     """One line per finished level on stderr, so a run cut short still tells what it got."""
-    keys = ("output_tok_s", "ttft_s", "tpot_s", "roofline", "device_idle")
+    keys = ("output_tok_s", "ttft_s", "tpot_s", "host_cpu_us_per_token", "roofline", "device_idle")
     print(name, json.dumps({k: level[k] for k in keys if k in level}), file=sys.stderr)
 
 
@@ -504,6 +517,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         progress(f"C={c}", level)
         report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
         report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
+        report.figures[f"c{c}_host_cpu_us_per_token"] = level["host_cpu_us_per_token"]
         report.peers[f"c{c}_roofline_tok_s"] = level["roofline"]["tok_s"]
         report.ratios[f"c{c}_of_roofline"] = ratio(
             level["output_tok_s"], level["roofline"]["tok_s"]
