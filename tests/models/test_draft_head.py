@@ -1,6 +1,9 @@
-"""Draft heads: the declaration is the module's tree, checkpoints round-trip, training learns."""
+"""Draft heads: the declaration is the module's tree, checkpoints round-trip, training learns,
+and the head shipped for SmolLM2 drafts well on prompts it never saw."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ from helpers import random_prompt
 
 import spark_jax as sj
 from spark_jax.generation.draft_training import HeadTraining, train_draft_head
+from spark_jax.generation.drafters import HeadDrafter
 from spark_jax.models import draft_head
 
 
@@ -60,3 +64,52 @@ def test_training_on_the_targets_greedy_outputs_lowers_the_loss(model, config):
     head = train_draft_head(model, sequences, [6] * 16, config, training)
     first, last = np.mean(head.losses[:5]), np.mean(head.losses[-5:])
     assert last < 0.8 * first
+
+
+# ---------------------------------------------------------------------------------------------
+# The head shipped for SmolLM2 (made by scripts/train_smollm2_draft_head.py).
+
+SHIPPED_HEAD = Path(__file__).parent.parent / "data" / "smollm2_draft_head.safetensors"
+# Templates and topics the script never trained on (its HELD_OUT lists).
+HELD_OUT_ASKS = [
+    "Tell me about glaciers.",
+    "Describe how the printing press works.",
+    "What do people often get wrong about octopuses?",
+]
+
+
+# Issue #25 asks 0.5 at K=1; the shipped head (trained on ~700 answers in a CPU budget) reaches
+# about 0.34 over the script's 18 held-out prompts and 0.24 over these three. The floor guards
+# what it reaches (a head that learned nothing drafts near 0).
+ACCEPTANCE_FLOOR = 0.2
+
+
+@pytest.fixture(scope="module")
+def shipped_head_at_k1(smollm2):
+    """(acceptance of the shipped head at K=1 over HELD_OUT_ASKS, whether every speculative
+    output equalled plain greedy)."""
+    drafter = HeadDrafter(smollm2, SHIPPED_HEAD)
+    params = sj.SamplingParams(temperature=0.0, max_tokens=48)
+    drafted = accepted = 0
+    same = True
+    for ask in HELD_OUT_ASKS:
+        prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": ask}])
+        result = sj.generate_speculative(smollm2, prompt, params, num_drafts=1, drafter=drafter)
+        same &= result.output_tokens == sj.generate(smollm2, prompt, params).output_tokens
+        drafted += result.spec_stats["num_drafted"]
+        accepted += result.spec_stats["num_accepted"]
+    return accepted / drafted, same
+
+
+def test_the_shipped_smollm2_head_keeps_greedy_output_and_drafts_on_unseen_prompts(
+    shipped_head_at_k1,
+):
+    rate, same = shipped_head_at_k1
+    assert same
+    assert rate >= ACCEPTANCE_FLOOR
+
+
+@pytest.mark.xfail(strict=True, reason="issue #25: the shipped head does not reach 0.5 yet")
+def test_the_shipped_smollm2_head_drafts_half_its_tokens_right(shipped_head_at_k1):
+    rate, _ = shipped_head_at_k1
+    assert rate >= 0.5
