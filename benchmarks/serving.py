@@ -16,8 +16,9 @@ Clients: closed loop at each concurrency C (1, 64, 128, 256): C requests are kep
 new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have finished (C=1
 over all 512 would take most of an hour). One engine (256 slots, 16-token pages, max_model_len
 2048, every shape compiled by ``warmup`` first) serves all levels; its decode step runs the
-smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, and a step that
-only decodes runs ``num_scheduler_steps`` (4) of them in one device call.
+smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, one decode step
+per device call (``num_scheduler_steps`` 1: on the H200, 4 steps per call left the device
+idle 75% of the time at C=64 against 32% for single steps; ``benchmarks/NOTES.md``).
 
 Shared-prefix workload: every request is one 1,000-token system prompt, then a 64-token
 question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
@@ -98,7 +99,7 @@ class Plan:
     max_prefill_seqs: int = 4
     min_chunk: int = 256  # few prefill shapes: each compile of the unrolled 8B costs ~25 s
     min_decode_pages: int = 32
-    num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
+    num_scheduler_steps: int = 1  # decode steps per device call when a step only decodes
     hf_batch: int = 64
     hf_requests: int = 128
     dtype: str = "bfloat16"
