@@ -193,7 +193,8 @@ class Engine:
         the pages of their keys are free: the host's work per token (planning, dispatch,
         reading) is shared by the steps. Outputs are unchanged; a row that finishes inside
         a call frees its slot at the call's end. Warm-up compiles one more program per
-        decode width.
+        decode width. On the H200 (Llama-3-8B shapes, 64 clients) 4 steps a call have so far
+        measured slower than single steps (benchmarks/NOTES.md): keep 1 there for now.
 
     Encoder-decoder models:
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
