@@ -184,7 +184,7 @@ def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_p
         temperature=0.0, stop_token_ids=tuple(range(5, 128, 11)), min_tokens=20, max_tokens=40
     )
     candidates = [random_prompt(500 + i, 14 + i % 16) for i in range(120)]
-    ends = [sj.generate(model, p, stops) for p in candidates]
+    ends = sj.generate_batch(model, candidates, stops)  # one batch: each row's own result
     prompts = [
         p
         for p, r in zip(candidates, ends, strict=True)
