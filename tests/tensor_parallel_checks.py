@@ -19,7 +19,10 @@ STARTED = time.perf_counter()
 
 MODE = sys.argv[1]
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 if MODE == 'single' else 2}"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={8 if MODE == 'single' else 2}"
+).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402

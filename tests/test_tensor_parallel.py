@@ -29,7 +29,9 @@ SHARDS = ("2", "4", "8")
 
 def child(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    env.pop("XLA_FLAGS", None)
+    # The children ask for their own device counts; the suite's other flags pass through.
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     return subprocess.Popen(
         [sys.executable, str(CHECKS), *args],
         env=env,
