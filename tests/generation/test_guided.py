@@ -300,7 +300,8 @@ def test_free_rows_in_split_steps_give_the_fused_loops_tokens(tiny, mixed):
 
 @pytest.fixture(scope="module")
 def engine(tiny) -> Engine:
-    engine = Engine(tiny, max_num_seqs=8, max_batch_tokens=64, page_size=16)
+    # Prompts of up to 23 tokens and 10 new ones: max_model_len 64 keeps the warm-up small.
+    engine = Engine(tiny, max_num_seqs=8, max_batch_tokens=64, page_size=16, max_model_len=64)
     engine.warmup()
     return engine
 

@@ -214,7 +214,7 @@ def test_the_engine_steps_fused_kernels_and_adapter_changes_never_recompile(lora
 
     _, model, peft_models = lora_setup
     runner = model.runner
-    engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16)
+    engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16, max_model_len=64)
     engine.warmup()
     pool_a = runner.lora_pool.device_weights()["layers_0"]["attn"]["qkv_proj"]["a"]
     fused = runner.params["layers_0"]["attn"]["qkv_proj"]["kernel"]

@@ -160,7 +160,12 @@ def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_p
     enough to preempt: every request's tokens (and logprob) as alone, stops inside a call
     dropped, nothing compiled after warm-up, every page and slot given back."""
     _, model = tiny_llama
-    engine = Engine(model, max_num_seqs=8, max_batch_tokens=64, kv_pages=40, num_scheduler_steps=4)
+    # max_model_len: the longest request (99 + 40 tokens) with room, not the model's 512: two
+    # block-table widths to warm up instead of three.
+    engine = Engine(
+        model, max_num_seqs=8, max_batch_tokens=64, kv_pages=40, num_scheduler_steps=4,
+        max_model_len=160,
+    )  # fmt: skip
     engine.warmup()
     rng = np.random.RandomState(3)
     prompts = [random_prompt(300 + i, int(rng.randint(1, 100))) for i in range(40)]
@@ -380,7 +385,7 @@ def test_an_engine_over_device_committed_weights_never_compiles_after_warmup(tin
     _, model = tiny_llama
     params = jax.device_put(model.params, jax.devices()[0])
     committed = sj.Model(model.config, params, model.tokenizer, model.generation_config)
-    engine = Engine(committed, max_num_seqs=4, max_batch_tokens=32, page_size=16)
+    engine = Engine(committed, max_num_seqs=4, max_batch_tokens=32, page_size=16, max_model_len=64)
     engine.warmup()
     with CompileCounter() as counter:
         engine.generate_many([random_prompt(7, 20), random_prompt(8, 5)], mixed_params(0, 4))

@@ -26,7 +26,11 @@ def model() -> Model:
 
 @pytest.fixture(scope="module")
 def engine(model) -> Engine:
-    engine = sj.Engine(model, max_num_seqs=6, max_model_len=32, max_prefill_seqs=4, max_num_beams=4)
+    # Sources of up to 40 tokens: a source ladder to 64, not the model's 128 (fewer programs).
+    engine = sj.Engine(
+        model, max_num_seqs=6, max_model_len=32, max_prefill_seqs=4, max_num_beams=4,
+        max_source_len=64,
+    )  # fmt: skip
     engine.warmup()
     return engine
 
