@@ -1,27 +1,34 @@
-"""Trains the SmolLM2-135M-Instruct draft head shipped in tests/data (CPU, 15-40 minutes on
-two cores, by how busy they are: the answers, the target's states, then 300 steps).
+"""Trains the SmolLM2-135M-Instruct draft head shipped in tests/data.
 
     PYTHONPATH=. python scripts/train_smollm2_draft_head.py [OUT.safetensors] [--data CACHE.npz]
+        [--vocab-topics N] [--steps S] [--batch-size B]
 
-The data are SmolLM2's own greedy answers (96 tokens) to chat prompts built from TEMPLATES and
-TOPICS. The head (a small block) learns the target's next-token distribution (soft labels)
-and its next state. At the end the script measures the head's acceptance at K=1 on HELD_OUT
-prompts (templates and topics disjoint from the training ones;
-``tests/models/test_draft_head.py`` checks some of them).
+The data are SmolLM2's own greedy answers (96 tokens) to chat prompts: TEMPLATES x TOPICS, and
+with ``--vocab-topics N`` one prompt each about N more topics, words drawn (seeded) from
+SmolLM2's own vocabulary under a template drawn from MORE_TEMPLATES. The head (a small block)
+learns the target's next-token distribution (soft labels) and its next state. At the end the
+script measures the head's acceptance at K=1 on HELD_OUT prompts (templates and topics
+disjoint from the training ones; ``tests/models/test_draft_head.py`` checks some of them).
+
+The shipped head: ``--vocab-topics 8000 --batch-size 256`` (600 steps over ~8,700 answers),
+a few minutes on one H200: 0.47 acceptance on the held-out prompts, against 0.34 for the small
+recipe that runs with no options (~700 answers; 15-40 minutes on a CPU's two cores).
 
 ``--data`` keeps the generated answers in a file and reuses them when it exists (they take
 about a third of the run). Everything is seeded: a rerun writes the same file up to the
-CPU's floating-point rounding.
+device's floating-point rounding.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import tempfile
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,7 +69,16 @@ TOPICS = [
     "vegetables", "dreams", "the alphabet", "maps", "kites", "wool",
     "rockets", "caves", "tomatoes", "chocolate", "butterflies", "the sun",
 ]  # fmt: skip
-# Held out: no template or topic here appears above.
+# Phrasings for the vocabulary's topics (none of them a held-out template).
+MORE_TEMPLATES = TEMPLATES + [
+    "Can you explain what {} means?",
+    "Write a few sentences about {}.",
+    "Why is {} important?",
+    "Teach me something about {}.",
+    "What should a beginner know about {}?",
+    "Summarize what you know about {}.",
+]
+# Held out: no template or topic here appears above, nor among the vocabulary's topics.
 HELD_OUT_TEMPLATES = [
     "Tell me about {}.",
     "Describe how {} works.",
@@ -70,7 +86,8 @@ HELD_OUT_TEMPLATES = [
 ]
 HELD_OUT_TOPICS = ["glaciers", "the printing press", "octopuses", "tea", "bicycles", "snow"]
 ANSWER_TOKENS = 96
-BATCH = 32  # rows per generate_batch call (larger batches were slower per token on the CPU)
+# Rows per generate_batch call (larger batches were slower per token on the CPU).
+BATCH = 32 if jax.default_backend() == "cpu" else 256
 # A small block: as good on held-out prompts as one copied from SmolLM2's last layer (the
 # data, not the capacity, limit it) at half the training time, and a third of the file.
 HEAD_SHAPE = dict(intermediate_size=384, num_heads=3, num_kv_heads=1)
@@ -99,6 +116,23 @@ def load_smollm2() -> sj.Model:
 def chat_prompts(model: sj.Model, templates: list[str], topics: list[str]) -> list[list[int]]:
     asks = [t.format(topic) for topic in topics for t in templates]
     return [model.tokenizer.encode_chat([{"role": "user", "content": a}]) for a in asks]
+
+
+def vocab_topics(model: sj.Model, count: int, seed: int = 0) -> list[str]:
+    """``count`` lower-case words of five letters or more that SmolLM2's vocabulary holds as
+    whole words, drawn with ``seed``; none of them part of a held-out topic or the reverse."""
+    tokenizer = model.tokenizer
+    held = " ".join(HELD_OUT_TOPICS)
+    words = set()
+    for token in range(model.config.vocab_size):
+        text = tokenizer.decode([token])
+        word = text[1:]
+        if text.startswith(" ") and len(word) >= 5 and word.isalpha() and word.islower():
+            if word not in held and not any(h in word for h in held.split()):
+                words.add(word)
+    words = sorted(words)
+    chosen = np.random.RandomState(seed).choice(len(words), min(count, len(words)), replace=False)
+    return [words[i] for i in sorted(chosen)]
 
 
 def greedy_answers(
@@ -137,9 +171,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", type=Path, default=OUT)
     parser.add_argument("--data", type=Path, help="cache of the greedy answers (.npz)")
+    parser.add_argument("--vocab-topics", type=int, default=0, help="topics from the vocabulary")
+    parser.add_argument("--steps", type=int, default=TRAINING.steps)
+    parser.add_argument("--batch-size", type=int, default=TRAINING.batch_size)
     args = parser.parse_args()
+    if jax.default_backend() != "cpu":  # fp32 matmuls as the CPU computes them (no TF32)
+        jax.config.update("jax_default_matmul_precision", "highest")
+    training = dataclasses.replace(  # the same positions per sequence at any batch size
+        TRAINING,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        token_positions=TRAINING.token_positions * args.batch_size // TRAINING.batch_size,
+    )
     model = load_smollm2()
     prompts = chat_prompts(model, TEMPLATES, TOPICS)
+    rng = np.random.RandomState(1)
+    for topic in vocab_topics(model, args.vocab_topics):
+        ask = MORE_TEMPLATES[rng.randint(len(MORE_TEMPLATES))].format(topic)
+        prompts.append(model.tokenizer.encode_chat([{"role": "user", "content": ask}]))
     t0 = time.perf_counter()
     sequences = greedy_answers(model, prompts, args.data)
     print(f"{len(sequences)} greedy answers in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -152,10 +201,10 @@ def main() -> None:
             print(f"  step {step}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     lengths = [len(p) for p in prompts]
-    head = train_draft_head(model, sequences, lengths, config, TRAINING, on_step=progress)
+    head = train_draft_head(model, sequences, lengths, config, training, on_step=progress)
     losses = head.losses
     print(
-        f"trained {TRAINING.steps} steps in {time.perf_counter() - t0:.0f} s: loss "
+        f"trained {training.steps} steps in {time.perf_counter() - t0:.0f} s: loss "
         f"{np.mean(losses[:20]):.3f} -> {np.mean(losses[-20:]):.3f}",
         flush=True,
     )

@@ -78,10 +78,11 @@ HELD_OUT_ASKS = [
 ]
 
 
-# Issue #25 asks 0.5 at K=1; the shipped head (trained on ~700 answers in a CPU budget) reaches
-# about 0.34 over the script's 18 held-out prompts and 0.24 over these three. The floor guards
-# what it reaches (a head that learned nothing drafts near 0).
-ACCEPTANCE_FLOOR = 0.2
+# Issue #25 asks 0.5 at K=1; the shipped head (600 steps over ~8,700 answers, the script's
+# --vocab-topics 8000 --batch-size 256) reaches 0.47 over the script's 18 held-out prompts (on
+# the GPU) and 0.37 over these three here. The floor guards what it reaches (a head that
+# learned nothing drafts near 0).
+ACCEPTANCE_FLOOR = 0.3
 
 
 @pytest.fixture(scope="module")
