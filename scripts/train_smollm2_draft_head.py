@@ -2,17 +2,21 @@
 
     PYTHONPATH=. python scripts/train_smollm2_draft_head.py [OUT.safetensors] [--data CACHE.npz]
         [--vocab-topics N] [--steps S] [--batch-size B]
+        [--intermediate-size I] [--num-heads H] [--num-kv-heads G]
 
 The data are SmolLM2's own greedy answers (96 tokens) to chat prompts: TEMPLATES x TOPICS, and
 with ``--vocab-topics N`` one prompt each about N more topics, words drawn (seeded) from
 SmolLM2's own vocabulary under a template drawn from MORE_TEMPLATES. The head (a small block)
 learns the target's next-token distribution (soft labels) and its next state. At the end the
 script measures the head's acceptance at K=1 on HELD_OUT prompts (templates and topics
-disjoint from the training ones; ``tests/models/test_draft_head.py`` checks some of them).
+disjoint from the training ones; ``tests/models/test_draft_head.py`` measures the shipped
+head on all of them).
 
-The shipped head: ``--vocab-topics 8000 --batch-size 256`` (600 steps over ~8,700 answers),
-a few minutes on one H200: 0.47 acceptance on the held-out prompts, against 0.34 for the small
-recipe that runs with no options (~700 answers; 15-40 minutes on a CPU's two cores).
+The shipped head: ``--vocab-topics 16000 --batch-size 256 --intermediate-size 1536
+--num-heads 9 --num-kv-heads 3`` (a block of SmolLM2's own width, 600 steps over ~16,700
+answers), about six minutes on one H200: 0.528 acceptance on the held-out prompts, against
+0.473 for the small block over ~8,700 answers and 0.34 for the small recipe that runs with no
+options (~700 answers; 15-40 minutes on a CPU's two cores).
 
 ``--data`` keeps the generated answers in a file and reuses them when it exists (they take
 about a third of the run). Everything is seeded: a rerun writes the same file up to the
@@ -88,8 +92,9 @@ HELD_OUT_TOPICS = ["glaciers", "the printing press", "octopuses", "tea", "bicycl
 ANSWER_TOKENS = 96
 # Rows per generate_batch call (larger batches were slower per token on the CPU).
 BATCH = 32 if jax.default_backend() == "cpu" else 256
-# A small block: as good on held-out prompts as one copied from SmolLM2's last layer (the
-# data, not the capacity, limit it) at half the training time, and a third of the file.
+# The no-options block is small (a third of the file, half the training time): over few
+# answers the data, not the capacity, limit a head. Over ~16,700 answers the full-width block
+# (the shipped head's options) measures 0.528; the small block reached 0.47-0.48 over ~8,700.
 HEAD_SHAPE = dict(intermediate_size=384, num_heads=3, num_kv_heads=1)
 TRAINING = HeadTraining(
     steps=300,
@@ -174,6 +179,8 @@ def main() -> None:
     parser.add_argument("--vocab-topics", type=int, default=0, help="topics from the vocabulary")
     parser.add_argument("--steps", type=int, default=TRAINING.steps)
     parser.add_argument("--batch-size", type=int, default=TRAINING.batch_size)
+    for key, value in HEAD_SHAPE.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     args = parser.parse_args()
     if jax.default_backend() != "cpu":  # fp32 matmuls as the CPU computes them (no TF32)
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -194,7 +201,8 @@ def main() -> None:
     print(f"{len(sequences)} greedy answers in {time.perf_counter() - t0:.0f} s", flush=True)
 
     t0 = time.perf_counter()
-    config = draft_head.head_config(model.config, **HEAD_SHAPE)
+    shape = {key: getattr(args, key) for key in HEAD_SHAPE}
+    config = draft_head.head_config(model.config, **shape)
 
     def progress(step: int, loss: float) -> None:
         if step % 25 == 0:

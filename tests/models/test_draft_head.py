@@ -70,47 +70,43 @@ def test_training_on_the_targets_greedy_outputs_lowers_the_loss(model, config):
 # The head shipped for SmolLM2 (made by scripts/train_smollm2_draft_head.py).
 
 SHIPPED_HEAD = Path(__file__).parent.parent / "data" / "smollm2_draft_head.safetensors"
-# Templates and topics the script never trained on (its HELD_OUT lists).
-HELD_OUT_ASKS = [
-    "Tell me about glaciers.",
-    "Describe how the printing press works.",
-    "What do people often get wrong about octopuses?",
+# The script's held-out prompts (its HELD_OUT_TEMPLATES x HELD_OUT_TOPICS): no template or
+# topic among them was trained on.
+HELD_OUT_TEMPLATES = [
+    "Tell me about {}.",
+    "Describe how {} works.",
+    "What do people often get wrong about {}?",
 ]
-
-
-# Issue #25 asks 0.5 at K=1; the shipped head (600 steps over ~8,700 answers, the script's
-# --vocab-topics 8000 --batch-size 256) reaches 0.47 over the script's 18 held-out prompts (on
-# the GPU) and 0.37 over these three here. The floor guards what it reaches (a head that
-# learned nothing drafts near 0).
-ACCEPTANCE_FLOOR = 0.3
+HELD_OUT_TOPICS = ["glaciers", "the printing press", "octopuses", "tea", "bicycles", "snow"]
+ANSWER_TOKENS = 96  # as the script measures
 
 
 @pytest.fixture(scope="module")
 def shipped_head_at_k1(smollm2):
-    """(acceptance of the shipped head at K=1 over HELD_OUT_ASKS, whether every speculative
-    output equalled plain greedy)."""
+    """(acceptance of the shipped head at K=1 over the held-out prompts, whether every
+    speculative output equalled plain greedy)."""
     drafter = HeadDrafter(smollm2, SHIPPED_HEAD)
-    params = sj.SamplingParams(temperature=0.0, max_tokens=48)
+    params = sj.SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
+    asks = [t.format(topic) for topic in HELD_OUT_TOPICS for t in HELD_OUT_TEMPLATES]
+    prompts = [smollm2.tokenizer.encode_chat([{"role": "user", "content": a}]) for a in asks]
+    plain = sj.generate_batch(smollm2, prompts, params)
     drafted = accepted = 0
     same = True
-    for ask in HELD_OUT_ASKS:
-        prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": ask}])
+    for prompt, greedy in zip(prompts, plain, strict=True):
         result = sj.generate_speculative(smollm2, prompt, params, num_drafts=1, drafter=drafter)
-        same &= result.output_tokens == sj.generate(smollm2, prompt, params).output_tokens
+        same &= result.output_tokens == greedy.output_tokens
         drafted += result.spec_stats["num_drafted"]
         accepted += result.spec_stats["num_accepted"]
     return accepted / drafted, same
 
 
-def test_the_shipped_smollm2_head_keeps_greedy_output_and_drafts_on_unseen_prompts(
+def test_the_shipped_smollm2_head_keeps_greedy_output_and_drafts_half_its_tokens_right(
     shipped_head_at_k1,
 ):
+    """The shipped head (a full-width block, 600 steps of 256 over ~16,700 of SmolLM2's
+    answers: the script's --vocab-topics 16000 --batch-size 256 --intermediate-size 1536
+    --num-heads 9 --num-kv-heads 3) accepts 0.528 of its drafts at K=1 here; issue #25 asks
+    0.5. A head that learned nothing drafts near 0."""
     rate, same = shipped_head_at_k1
     assert same
-    assert rate >= ACCEPTANCE_FLOOR
-
-
-@pytest.mark.xfail(strict=True, reason="issue #25: the shipped head does not reach 0.5 yet")
-def test_the_shipped_smollm2_head_drafts_half_its_tokens_right(shipped_head_at_k1):
-    rate, _ = shipped_head_at_k1
     assert rate >= 0.5
