@@ -97,7 +97,9 @@ class Plan:
     page_size: int = 16
     max_batch_tokens: int = 1024
     max_prefill_seqs: int = 4
-    min_chunk: int = 256  # few prefill shapes: each compile of the unrolled 8B costs ~25 s
+    # The prefill ladder starts at 128 tokens: a short chunk (a question after a cached prefix,
+    # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
+    min_chunk: int = 128
     min_decode_pages: int = 32
     num_scheduler_steps: int = 1  # decode steps per device call when a step only decodes
     hf_batch: int = 64
