@@ -45,8 +45,11 @@ step before, which ran meanwhile (each slot's last token stays on the device as 
 decode input). Stops are therefore seen one step late: a row that stopped was decoded once
 more, and that token is dropped; a request's output is exactly what it is without overlap.
 A speculative row's drafts need its last tokens, so while one has a step in flight that step
-is read before the next is planned (as for guided rows): speculation trades the overlap for
-several tokens per step.
+is read before the next is planned: speculation trades the overlap for several tokens per
+step. A guided row's token mask is needed only by the pick: while one has a step in flight,
+the next step's forward is dispatched first, then that step is read (the matchers advance),
+then the pick runs with the masks, so the matcher work overlaps the forward as in
+``generate``.
 
 Multi-step decode (``num_scheduler_steps`` N > 1): a step that admits and prefills nothing
 decodes its rows N steps in one device call (``Scheduler.extend``, ``_decode_chunk``), each
@@ -635,28 +638,36 @@ class Engine:
             return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """Dispatches this step, then reads the one before (which ran meanwhile). A guided
-        row's next token mask and a speculative row's drafts need its last token: with one in
-        flight, that step is read first, so such rows take one step per read (the other
-        rows in the batch too)."""
+        """Dispatches this step, then reads the one before (which ran meanwhile). A speculative
+        row's drafts need its last token: with one in flight, that step is read first, so such
+        rows take one step per read (the other rows in the batch too). A guided row's token
+        mask needs its last token only for the pick: with one in flight, the step is read
+        after the decode rows' forward is dispatched and before their pick, so the host's
+        matcher work overlaps the forward."""
         outputs: list[RequestOutput] = []
         running = self.scheduler.running()
-        if any((s.guide is not None or s.speculative) and s.in_flight for s in running):
-            previous, self._in_flight = self._in_flight, []
-            outputs = [out for picks in previous for out in self._read(picks)]
+        if any(s.speculative and s.in_flight for s in running):
+            outputs = self._read_in_flight()
+        masks_wait = any(s.guide is not None and s.in_flight for s in running)
         self._draft()
         plan = self.scheduler.plan()
         if isinstance(self.executor, PagedExecutor) and self.executor.chunkable(plan.decode):
             self.scheduler.extend(plan, self.num_scheduler_steps)
         dispatched: list[Picks] = []
         if not plan.empty:
-            dispatched = self.executor.run(plan, self.scheduler.slots)
+            read = (lambda: outputs.extend(self._read_in_flight())) if masks_wait else None
+            dispatched = self.executor.run(plan, self.scheduler.slots, before_pick=read)
             self.scheduler.advance(plan)
-        previous, self._in_flight = self._in_flight, dispatched
-        outputs += [out for picks in previous for out in self._read(picks)]
+        outputs += self._read_in_flight()
+        self._in_flight = dispatched
         if self._beam_requests is not None:
             outputs += self._beam_step()
         return outputs
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """The outputs of the step in flight (none once read)."""
+        previous, self._in_flight = self._in_flight, []
+        return [out for picks in previous for out in self._read(picks)]
 
     def _read(self, picks: Picks) -> list[RequestOutput]:
         """The outputs of one pick's rows; rows of requests that ended since are dropped."""

@@ -728,14 +728,24 @@ class PagedExecutor:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+    def run(
+        self,
+        plan: StepPlan,
+        slots: Sequence[SequenceState | None],
+        before_pick: Callable[[], None] | None = None,
+    ) -> list[Picks]:
         """Dispatches one step's decode and prefill rows and the picks of the rows that
-        sample; nothing waits for the device."""
+        sample; nothing waits for the device. ``before_pick`` is called once, after the
+        decode rows' forward is dispatched and before any pick: the engine reads the step in
+        flight there, so its guided rows' matchers see their last tokens while the forward
+        runs."""
         self.table.sync([s for s in slots if s is not None])
         self.sampler.sync(slots)
         picks = []
         if plan.decode:
-            picks.append(self._decode(plan))
+            picks.append(self._decode(plan, before_pick))
+        elif before_pick is not None:
+            before_pick()
         if plan.prefill:
             picks += self._prefill(plan)
         return picks
@@ -752,9 +762,10 @@ class PagedExecutor:
             CHUNK_RULE.passes
         )
 
-    def _decode(self, plan: StepPlan) -> Picks:
+    def _decode(self, plan: StepPlan, before_pick: Callable[[], None] | None) -> Picks:
         """The decoding rows packed at the lowest decode width that holds them (a verify
-        step when one of them has drafts; a multi-step decode when the plan has steps)."""
+        step when one of them has drafts; a multi-step decode when the plan has steps);
+        ``before_pick`` between the forward and the pick (before both in the other two)."""
         rows = plan.decode
         b = rung(self.decode_widths, len(rows))
         self.decode_steps_by_width[b] += 1
@@ -772,6 +783,9 @@ class PagedExecutor:
         seqs: list[SequenceState | None] = [*rows, *[None] * (b - len(rows))]
         for i, seq in enumerate(rows):
             self.table.lengths[seq.slot] += plan.steps_of(i)
+        if before_pick is not None and (plan.num_steps > 1 or any(s.drafts for s in rows)):
+            before_pick()  # no guided row runs in these (see ``chunkable``, the engine's drafts)
+            before_pick = None
         if plan.num_steps > 1:
             steps = np.zeros((b,), np.int32)
             steps[: len(rows)] = [plan.steps_of(i) for i in range(len(rows))]
@@ -786,6 +800,8 @@ class PagedExecutor:
         state = self.state.with_block_table(table).with_lengths(lengths)
         tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
         logits, self.state = self.runner.decode(state, tokens, active, **self._lora(adapters))
+        if before_pick is not None:
+            before_pick()
         return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
 
     def _chunk(
@@ -1019,12 +1035,20 @@ class DenseExecutor:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, slots: Sequence[SequenceState | None]) -> list[Picks]:
+    def run(
+        self,
+        plan: StepPlan,
+        slots: Sequence[SequenceState | None],
+        before_pick: Callable[[], None] | None = None,
+    ) -> list[Picks]:
         """Dispatches one step's decode rows (every slot runs; idle ones are masked) and
         whole-source prefills, and the picks of both (every prefilled source samples: its
-        prefill ends in the step that admits it); nothing waits for the device."""
+        prefill ends in the step that admits it); nothing waits for the device.
+        ``before_pick``: as ``PagedExecutor.run``'s."""
         self.sampler.sync(slots)
         picks = []
+        if not plan.decode and before_pick is not None:
+            before_pick()
         if plan.decode:
             decoding = set(id(s) for s in plan.decode)
             seqs = [s if s is not None and id(s) in decoding else None for s in slots]
@@ -1033,6 +1057,8 @@ class DenseExecutor:
             logits, self.state = self.runner.decode(
                 self.state, self.sampler.last_tokens, upload(active), **self._lora(adapters)
             )
+            if before_pick is not None:
+                before_pick()
             picks.append(self.sampler.pick(logits, seqs))
         if plan.prefill:
             picks.append(self._prefill(plan))

@@ -325,6 +325,41 @@ def test_a_warmed_engine_gives_solo_results_and_never_compiles_across_mixes(tiny
     assert engine.slots_in_use == 0 and engine.pages_in_use == 0
 
 
+def test_the_engine_reads_a_guided_rows_step_while_the_next_forward_runs(tiny, engine, monkeypatch):
+    """With a guided row's token in flight, a step dispatches the decode forward, then reads
+    the step before (the matcher advances), then picks with the mask: the matcher's work
+    overlaps the forward. The output is the one generate gives."""
+    from spark_jax.serving import executor
+
+    events: list[str] = []
+    decode, read = engine.executor.runner.decode, executor.Picks.read
+
+    def logged_decode(*args, **kwargs):
+        events.append("forward")
+        return decode(*args, **kwargs)
+
+    def logged_read(picks):
+        events.append("read")
+        return read(picks)
+
+    monkeypatch.setattr(engine.executor.runner, "decode", logged_decode)
+    monkeypatch.setattr(executor.Picks, "read", logged_read)
+    params = sj.SamplingParams(temperature=0.0, max_tokens=8, guided=guided(regex=r"[a-z]{8}"))
+    prompt = random_prompt(77, 5, TOKENIZER_VOCAB)
+    request = engine.add_request(prompt, params)
+    steps, result = [], None
+    while result is None:
+        events.clear()
+        outputs = engine.step()
+        steps.append(list(events))
+        result = next((o.result for o in outputs if o.request_id == request and o.finished), None)
+    both = [e for e in steps if "forward" in e and "read" in e]
+    assert len(both) >= 5  # every decode step after the first has a token in flight
+    assert all(e.index("forward") < e.index("read") for e in both), steps
+    assert result.output_tokens == sj.generate(tiny, prompt, params).output_tokens
+    assert re.fullmatch(r"[a-z]{8}", result.text)
+
+
 def test_guided_requests_a_tokenizer_cannot_serve_are_refused_before_any_work(tiny_llama):
     _, no_tokenizer = tiny_llama
     params = sj.SamplingParams(max_tokens=4, guided=guided(regex="[a-z]+"))
