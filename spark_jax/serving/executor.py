@@ -505,8 +505,8 @@ class SlotPicker:
     def pick(self, logits: jax.Array, seqs: list[SequenceState | None]) -> Picks:
         """The next tokens of ``seqs`` (by row of ``logits[b, V]``; None: no pick) at their
         generated counts, under their guides' token masks (a guided row's matcher must have
-        seen every token before: the engine reads a step before it plans the next when a
-        guided row has tokens in flight); their slots' last tokens become these."""
+        seen every token before: the engine reads the step in flight before the pick, see
+        ``run``'s ``before_pick``); their slots' last tokens become these."""
         nowhere = self.num_slots
         row_slots = np.array([nowhere if s is None else s.slot for s in seqs], np.int32)
         active = np.array([s is not None for s in seqs])
