@@ -360,6 +360,23 @@ def test_the_engine_reads_a_guided_rows_step_while_the_next_forward_runs(tiny, e
     assert re.fullmatch(r"[a-z]{8}", result.text)
 
 
+def test_guided_rows_preempted_with_a_token_in_flight_give_their_solo_results(tiny, mixed):
+    """A page pool too small for the mixed batch: rows are preempted, guided ones while a
+    token is in flight (the engine reads it inside the next step), and recomputed; each
+    request's output is still its solo result, and every page and slot is given back."""
+    prompts, params, _, alone = mixed
+    engine = Engine(
+        tiny, max_num_seqs=8, max_batch_tokens=64, page_size=16, max_model_len=64, kv_pages=6
+    )
+    results = engine.generate_many(prompts, params)
+    assert engine.num_preemptions > 0
+    guided_rows = [r for r, p in zip(results, params, strict=True) if p.guided is not None]
+    assert any(r.timings["preemptions"] > 0 for r in guided_rows)
+    assert [r.output_tokens for r in results] == [r.output_tokens for r in alone]
+    assert [r.finish_reason for r in results] == [r.finish_reason for r in alone]
+    assert engine.slots_in_use == 0 and engine.pages_in_use == 0
+
+
 def test_guided_requests_a_tokenizer_cannot_serve_are_refused_before_any_work(tiny_llama):
     _, no_tokenizer = tiny_llama
     params = sj.SamplingParams(max_tokens=4, guided=guided(regex="[a-z]+"))
