@@ -158,16 +158,18 @@ class BlockTable:
     """Each slot's pages (``num_pages``: no page) and cached length, as the device reads them.
 
     ``sync`` rewrites only what changed since the last call: rows whose owner changed
-    (an admission is told apart by its admission number) or whose page list grew or shrank
-    (a speculative row gives back its rejected drafts' pages: their entries must read
-    ``none`` again, or the row's padding keys would land in a page another row now owns).
+    (an admission is told apart by its admission number) or whose page list changed, from
+    its first changed entry on (a speculative row gives back its rejected drafts' pages and
+    may take others for its next drafts before the next sync, so the count alone cannot
+    tell: entries it no longer owns must read ``none`` again, or the row's keys would land
+    in a page another row now owns).
     """
 
     def __init__(self, num_slots: int, max_pages_per_seq: int, num_pages: int):
         self.none = num_pages  # an index past the pool: reads nothing, writes are dropped
         self.pages = np.full((num_slots, max_pages_per_seq), num_pages, np.int32)
         self.lengths = np.zeros((num_slots,), np.int32)
-        self._written: dict[int, tuple[int, int]] = {}  # slot -> (admission, pages written)
+        self._written: dict[int, tuple[int, list[int]]] = {}  # slot -> (admission, pages)
 
     def sync(self, running: Iterable[Paged]) -> None:
         """Brings the table to the running sequences' pages and computed lengths."""
@@ -179,9 +181,18 @@ class BlockTable:
                 self.lengths[slot] = 0
                 del self._written[slot]
         for slot, seq in owners.items():
-            _, written = self._written.get(slot, (seq.admitted, 0))
-            if written != len(seq.pages):
-                self.pages[slot, len(seq.pages) : written] = self.none  # shrank: unowned
-                self.pages[slot, written : len(seq.pages)] = seq.pages[written:]  # grew
-                self._written[slot] = (seq.admitted, len(seq.pages))
+            _, written = self._written.get(slot, (seq.admitted, []))
+            if written != seq.pages:
+                same = _common_prefix(written, seq.pages)
+                self.pages[slot, same : len(written)] = self.none  # no longer owned
+                self.pages[slot, same : len(seq.pages)] = seq.pages[same:]
+                self._written[slot] = (seq.admitted, list(seq.pages))
             self.lengths[slot] = seq.num_computed
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: one list grew or shrank at its end
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

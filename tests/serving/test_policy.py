@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_jax.serving.pages import PageAllocator
+from spark_jax.serving.pages import BlockTable, PageAllocator
 from spark_jax.serving.scheduler import (
     ChunkBudget,
     Scheduler,
@@ -357,3 +357,20 @@ def test_the_step_budget_counts_decode_rows_before_prefill_chunks():
     # 50 - 2 decode rows = 48 tokens of prefill: the chunk ladder's 32 (16, 32, 64).
     assert len(plan.decode) == 2 and [(r.seq, r.length) for r in plan.prefill] == [(long, 32)]
     assert (plan.prefill_rows, plan.prefill_len) == (1, 32)
+
+
+def test_the_block_table_follows_a_page_list_that_shrank_and_grew_between_syncs():
+    """A speculative row gives back a rejected draft's page and takes another for its next
+    drafts before the next sync: same count, other page. The table must name the new page,
+    or the row's keys land in a page another row now owns."""
+    table = BlockTable(num_slots=2, max_pages_per_seq=4, num_pages=9)
+    x = seq(0, 8)
+    x.slot, x.admitted, x.pages, x.num_computed = 1, 0, [3, 5], 8
+    table.sync([x])
+    assert table.pages[1].tolist() == [3, 5, 9, 9]
+    x.pages = [3, 6]  # page 5 given back, page 6 taken
+    table.sync([x])
+    assert table.pages[1].tolist() == [3, 6, 9, 9]
+    x.pages = [4]  # a shorter list that differs at its start
+    table.sync([x])
+    assert table.pages[1].tolist() == [4, 9, 9, 9] and table.pages[0].tolist() == [9] * 4
