@@ -28,10 +28,12 @@ its prefill or decoded, and the host then checks stops and streams the deltas.
 
 Speculative decoding (a decoder-only engine built with ``speculative_config``, vLLM's:
 ``{"method": "ngram", "num_speculative_tokens": K}``; ``spark_jax.serving.speculation``):
-before each step the engine drafts up to K tokens for every speculative decoding row by
-prompt lookup over the request's own tokens; the scheduler reserves their keys' pages; the
-step verifies every decode row at once (K + 1 positions each; a row with no drafts decodes
-in it as usual) and each row keeps its own number of drafts by the speculative rule (greedy:
+before each step the engine drafts up to K tokens for every speculative decoding row, by
+prompt lookup over the request's own tokens or with a draft model (or the target less some
+layers) that keeps a cache row per slot (``spark_jax.serving.drafting``); the scheduler
+reserves their keys' pages; the step verifies every decode row at once (K + 1 positions
+each; a row with no drafts decodes in it as usual) and each row keeps its own number of
+drafts by the speculative rule (greedy:
 those equal to the argmax, so the output is the engine's without speculation; sampled: the
 rejection rule, so it follows the same distribution). Rejected drafts are rolled back by
 lowering the row's length and giving back the pages past it. Every request speculates but
@@ -261,7 +263,6 @@ class Engine:
         self.speculative = (
             None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
         )
-        self._drafter = None if self.speculative is None else self.speculative.drafter()
         self.enable_prefix_caching = (
             not encoder_decoder if enable_prefix_caching is None else enable_prefix_caching
         )
@@ -284,6 +285,11 @@ class Engine:
                 gpu_memory_utilization,
                 max_num_batched_tokens,
                 num_scheduler_steps or 1,
+            )
+        self._drafter = None
+        if self.speculative is not None:
+            self._drafter = self.speculative.row_drafter(
+                model, self.num_slots, self.max_model_len, min_chunk or MIN_CHUNK
             )
         self._requests: dict[int, _Request] = {}
         self._in_flight: list[Picks] = []  # the last dispatched step's picks, not yet read
@@ -683,20 +689,22 @@ class Engine:
         return outputs
 
     def _draft(self) -> None:
-        """Each speculative decoding row's drafts for this step, by prompt lookup over its
-        own tokens (all read: see ``_step``), as many as its output has room for after the
-        target's token; none in a step with a guided decoding row (the verify step applies
-        no token masks)."""
+        """Each speculative decoding row's drafts for this step (``spark_jax.serving.drafting``:
+        prompt lookup or a draft model, from the row's tokens, all read: see ``_step``), as
+        many as its output has room for after the target's token; none in a step with a
+        guided decoding row (the verify step applies no token masks)."""
         if self._drafter is None:
             return
         rows = [s for s in self.scheduler.running() if not s.prefilling]
         if any(s.guide is not None for s in rows):
             return
         k = self.speculative.num_speculative_tokens
+        drafting = []
         for seq in rows:
             room = min(k, seq.max_new - seq.num_scheduled - 1)
             if seq.speculative and room > 0 and not seq.in_flight:
-                seq.drafts = self._drafter.propose(seq.tokens, room).tokens
+                drafting.append((seq, room))
+        self._drafter.propose(drafting)
 
     def _emit(self, seq: SequenceState, host: HostTokens, row: int) -> RequestOutput:
         """The row's tokens (one, or a verify step's kept drafts and the target's token)
@@ -826,3 +834,5 @@ class Engine:
                 self.scheduler.row_ladder[-1],
                 compile_threads,
             )
+            if self._drafter is not None:
+                self._drafter.warm()

@@ -10,20 +10,24 @@ drafters' names (``generation.drafters.DRAFTER_NAMES``); each method's own keys 
     "layer-skip"   skip_layers (the target's layers left out)
     "head"         draft_head (a head checkpoint file, or (params, block config))
 
-The engine drafts with prompt lookup on the host, from each request's own tokens (the other
-methods run in ``sj.generate_speculative`` for now, one sequence per call). Any other key,
-or a key of another method, is refused with the valid ones named.
+The engine drafts with prompt lookup on the host, from each request's own tokens, or with a
+draft model (or the target less some layers) on the device, one cache row per slot
+(``spark_jax.serving.drafting``); the draft head runs in ``sj.generate_speculative`` for now,
+one sequence per call. Any other key, or a key of another method, is refused with the valid
+ones named.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from spark_jax.generation.drafters import DRAFTER_NAMES, PromptLookupDrafter
+from spark_jax.generation.drafters import DRAFTER_NAMES, PromptLookupDrafter, make_drafter
+from spark_jax.serving.drafting import LookupRows, ModelRows
 
-ENGINE_METHODS = ("ngram",)  # the methods the engine runs (the rest: generate_speculative)
+# The methods the engine runs (the rest: generate_speculative).
+ENGINE_METHODS = ("ngram", "draft", "layer-skip")
 METHOD_KEYS = {
     "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
     "draft": ("draft_model",),
@@ -42,6 +46,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    draft_model: Any = field(default=None, compare=False)  # a Model or a converted directory
+    skip_layers: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -78,10 +84,34 @@ class SpeculativeConfig:
                 f"speculative_config needs num_speculative_tokens, an int >= 1, got {k!r}."
             )
         extra = {key: config[key] for key in METHOD_KEYS[method] if key in config}
+        if method == "draft" and extra.get("draft_model") is None:
+            raise ValueError(
+                'method "draft" needs draft_model: a Model or a converted model directory.'
+            )
+        if method == "layer-skip":
+            skip = extra.get("skip_layers")
+            if not skip or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):
+                raise ValueError(
+                    f'method "layer-skip" needs skip_layers, a list of the layer indices to '
+                    f"leave out, got {skip!r}."
+                )
+            extra["skip_layers"] = tuple(skip)
         spec = cls(method, k, **extra)
-        spec.drafter()  # its own checks (the n-gram lengths), now rather than at a step
+        if method == "ngram":  # its own checks (the n-gram lengths), now rather than at a step
+            PromptLookupDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
         return spec
 
-    def drafter(self) -> PromptLookupDrafter:
-        """The host drafter of these settings (stateless: one serves every request)."""
-        return PromptLookupDrafter(self.prompt_lookup_max, self.prompt_lookup_min)
+    def row_drafter(
+        self, model: Any, num_slots: int, max_model_len: int, chunk: int
+    ) -> LookupRows | ModelRows:
+        """The engine's drafter of these settings for ``model``: ``num_slots`` rows of up to
+        ``max_model_len`` tokens; a draft model's missing tokens are fed ``chunk`` a call."""
+        if self.method == "ngram":
+            return LookupRows(PromptLookupDrafter(self.prompt_lookup_max, self.prompt_lookup_min))
+        drafter = make_drafter(
+            self.method, model, draft_model=self.draft_model, skip=self.skip_layers
+        )
+        return ModelRows(
+            drafter, model.config.vocab_size, num_slots, max_model_len,
+            self.num_speculative_tokens, chunk,
+        )  # fmt: skip

@@ -1,14 +1,18 @@
 """Speculative decoding inside the engine: the same outputs as without, fewer steps.
 
 The contracts: greedy outputs (and their logprobs) equal the engine's without speculation
-for every K, on one batch mixing speculative rows, rows that opt out, stop ids, max_tokens
-and an abort; seeded sampled outputs do not depend on the batch, and the deterministic
-drafts' rejection rule is the general rule with a one-hot q (whose distribution
-tests/generation/test_speculative.py checks); a warmed engine never compiles; no page leaks.
+for every method (prompt lookup, a draft model, layer skip) and K, on one batch mixing
+speculative rows, rows that opt out, stop ids, max_tokens and an abort; seeded sampled
+outputs do not depend on the batch, and the deterministic drafts' rejection rule (prompt
+lookup's, and a draft model's argmax) is the general rule with a one-hot q (whose
+distribution tests/generation/test_speculative.py checks); a warmed engine never compiles;
+no page leaks.
 The scheduler's part (draft pages, roll back) is checked without JAX.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +35,24 @@ SMALL = dict(
 
 def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_llama):
+    """The target with its weights nudged: a draft that agrees often, not always."""
+    _, model = tiny_llama
+    noise = jax.random.key(7)
+
+    def nudge(x):
+        return x + 0.3 * jnp.std(x) * jax.random.normal(noise, x.shape, x.dtype)
+
+    return sj.Model(model.config, jax.tree.map(nudge, model.params), model.tokenizer)
+
+
+def method(name: str, k: int, draft: sj.Model) -> dict:
+    """The speculative_config of method ``name`` with K = ``k``."""
+    extra = {"ngram": {}, "draft": {"draft_model": draft}, "layer-skip": {"skip_layers": [1]}}
+    return {"method": name, "num_speculative_tokens": k, **extra[name]}
 
 
 def mixed_batch() -> tuple[list[list[int]], list[sj.SamplingParams], list[bool]]:
@@ -73,9 +95,12 @@ def reference(tiny_llama):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_outputs_equal_the_engine_without_speculation(tiny_llama, reference, k):
+@pytest.mark.parametrize("name", ["ngram", "draft", "layer-skip"])
+def test_greedy_outputs_equal_the_engine_without_speculation(
+    tiny_llama, draft_model, reference, name, k
+):
     _, model = tiny_llama
-    engine = Engine(model, **SMALL, speculative_config=ngram(k))
+    engine = Engine(model, **SMALL, speculative_config=method(name, k, draft_model))
     prompts, params, speculative = mixed_batch()
     aborted = 5
     results = drive(engine, prompts, params, speculative, abort=aborted)
@@ -101,11 +126,17 @@ def test_greedy_outputs_equal_the_engine_without_speculation(tiny_llama, referen
     engine.scheduler.pages.check()
 
 
-def test_preempted_speculative_rows_resume_with_the_same_outputs(tiny_llama, reference):
+@pytest.mark.parametrize("name", ["ngram", "draft"])
+def test_preempted_speculative_rows_resume_with_the_same_outputs(
+    tiny_llama, draft_model, reference, name
+):
     """A pool too small for the batch: rows are preempted (drafts never cause it) and
-    recomputed, and every output is still the engine's without speculation."""
+    recomputed, and every output is still the engine's without speculation. A draft model's
+    row is fed its sequence again in the slot it resumes in, 16 tokens a call."""
     _, model = tiny_llama
-    engine = Engine(model, **SMALL, kv_pages=20, speculative_config=ngram(4))
+    small = SMALL | dict(min_chunk=16)
+    config = method(name, 4, draft_model)
+    engine = Engine(model, **small, kv_pages=20, speculative_config=config)
     prompts, params, speculative = mixed_batch()
     results = drive(engine, prompts, params, speculative)
     assert engine.num_preemptions > 0
@@ -114,13 +145,16 @@ def test_preempted_speculative_rows_resume_with_the_same_outputs(tiny_llama, ref
     engine.scheduler.pages.check()
 
 
-def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_batch(tiny_llama):
+@pytest.mark.parametrize("name", ["ngram", "layer-skip"])
+def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_batch(
+    tiny_llama, draft_model, name
+):
     """Greedy, seeded sampled (with penalties and top-p) and logprob rows after warm-up: no
     compile; each sampled request's output is the one it gets alone."""
     _, model = tiny_llama
     engine = Engine(
         model, max_num_seqs=4, max_batch_tokens=32, min_chunk=32, page_size=8,
-        max_model_len=64, decode_widths=[4], speculative_config=ngram(3),
+        max_model_len=64, decode_widths=[4], speculative_config=method(name, 3, draft_model),
     )  # fmt: skip
     engine.warmup(compile_threads=2)
     prompts = [random_prompt(i, 5) * 3 for i in range(6)]
@@ -169,11 +203,23 @@ def test_speculative_config_mistakes_name_what_is_valid(tiny_llama):
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "min_ngram"),
-        ({"method": "draft", "num_speculative_tokens": 2}, "generate_speculative"),
+        ({"method": "draft", "num_speculative_tokens": 2}, "needs draft_model"),
+        ({"method": "layer-skip", "num_speculative_tokens": 2}, "needs skip_layers"),
+        ({"method": "layer-skip", "num_speculative_tokens": 2, "skip_layers": [5]}, "outside"),
+        ({"method": "head", "num_speculative_tokens": 2, "draft_head": "h"}, "generate_spec"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):
             Engine(model, **SMALL, speculative_config=config)
+    other = sj.Model(
+        dataclasses.replace(model.config, vocab_size=64),
+        {
+            **model.params,
+            "embed_tokens": {"embedding": model.params["embed_tokens"]["embedding"][:64]},
+        },
+    )
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        Engine(model, **SMALL, speculative_config=method("draft", 2, other))
 
 
 # ------------------------------------------------------------------------------ the policy

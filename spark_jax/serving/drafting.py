@@ -1,0 +1,186 @@
+"""The serving engine's drafters: the drafts of each speculative row for the next step.
+
+Between steps, with every speculative row's tokens read, the engine hands its drafter the
+rows it will verify and how many drafts each has room for (``propose(rows)``); the drafter
+sets each row's ``drafts``. The verify step, the speculative rule and the roll-back are the
+engine's, whoever drafted.
+
+- ``LookupRows`` (``"ngram"``): prompt lookup over each row's own tokens, on the host.
+- ``ModelRows`` (``"draft"``, ``"layer-skip"``): a draft model (or the target less some
+  layers) with a dense KV cache of one row per engine slot. One device call drafts K tokens
+  for every row (the rows' last tokens, then K - 1 decode steps), whose result the host
+  reads. The drafts are the draft model's argmax for every row, sampled ones included: the
+  rule then judges them as deterministic drafts (q one-hot), which keeps the target's
+  distribution exactly, as it does for prompt lookup's drafts.
+
+A draft model's row follows its sequence without being told what the verdict was: the host
+remembers what it fed each row (the tokens up to the row's last, then K - 1 drafts), and
+before the next proposal it keeps the part that still agrees with the sequence's tokens;
+what is missing is fed first (one token after a step that kept every draft, the whole
+sequence for a row the slot's new occupant or a preempted sequence now holds, in chunks of
+a fixed width).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spark_jax.generation.drafters import (
+    DraftModelDrafter,
+    ModelDrafts,
+    ModelDraftState,
+    PromptLookupDrafter,
+)
+from spark_jax.generation.step import Carry
+from spark_jax.serving.executor import commit, upload
+from spark_jax.serving.scheduler import SequenceState
+
+
+class LookupRows:
+    """Prompt lookup (``PromptLookupDrafter``) for each row, from its own tokens."""
+
+    def __init__(self, drafter: PromptLookupDrafter):
+        self.drafter = drafter
+
+    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
+        """Sets each row's drafts (at most its room)."""
+        for seq, room in rows:
+            seq.drafts = self.drafter.propose(seq.tokens, room).tokens
+
+    def warm(self) -> None:
+        """Nothing to compile."""
+
+
+@partial(jax.jit, static_argnames=("verify_fn",), donate_argnames=("cache",))
+def _append(verify_fn, params, cache, tokens, counts, lengths):
+    """Appends tokens[S, C] (the first ``counts[s]`` real) to the rows of lengths ``lengths``."""
+    _, cache = verify_fn(params, tokens, counts, cache.with_lengths(lengths), None)
+    return cache
+
+
+@partial(jax.jit, static_argnames=("program", "k"), donate_argnames=("cache",))
+def _propose(program: ModelDrafts, params, cache, pending, counts, lengths, k: int):
+    """Each active row's k greedy drafts (int32[S, k]) after its ``counts[s]`` (1 or 2)
+    pending tokens ``pending[S, 2]``, the last being the row's last token; rows with count 0
+    are left as they are."""
+    active = counts > 0
+    last = jnp.take_along_axis(pending, jnp.maximum(counts - 1, 0)[:, None], 1)[:, 0]
+    lag = jnp.maximum(counts - 1, 0)
+    state = ModelDraftState(cache.with_lengths(lengths), lag, pending[:, 0])
+    rows = jnp.zeros_like(counts)
+    carry = Carry(None, last, active, rows, None)
+    keys = jnp.zeros((counts.shape[0], 2), jnp.uint32)  # greedy: no draw reads them
+    drafts, _, state = program.propose(
+        None, params, state, carry, keys, jnp.zeros(counts.shape, jnp.float32), k, False
+    )
+    return drafts, state.cache
+
+
+@dataclass
+class _Fed:
+    """What a draft cache row holds: ``seq_id``'s first ``count`` tokens, then ``drafts``."""
+
+    seq_id: int
+    count: int
+    drafts: list[int] = field(default_factory=list)
+
+
+class ModelRows:
+    """A draft model's greedy drafts for the engine's rows, from a cache row per slot."""
+
+    def __init__(
+        self, drafter: DraftModelDrafter, vocab_size: int, num_slots: int, max_len: int, k: int,
+        chunk: int,
+    ):  # fmt: skip
+        draft = drafter.model
+        if draft.config.vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the "
+                f"target's {vocab_size}; a draft model must share the target's tokenizer."
+            )
+        self.program = drafter.program
+        self.params = draft.runner.params
+        self.k = k
+        self.chunk = chunk  # the width of the calls that feed a row what it is missing
+        # K - 1 drafts past the longest sequence; writes past a row's end are dropped.
+        self.cache = commit(draft.runner.init_state(num_slots, max_len + k))
+        self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
+        self.fed: list[_Fed | None] = [None] * num_slots
+
+    def _known(self, seq: SequenceState) -> int:
+        """How many of ``seq``'s tokens its slot's row holds (all but at least its last)."""
+        fed, tokens = self.fed[seq.slot], seq.tokens
+        if fed is None or fed.seq_id != seq.id:
+            return 0
+        known = fed.count
+        for draft in fed.drafts:
+            if known >= len(tokens) or tokens[known] != draft:
+                break
+            known += 1
+        return min(known, len(tokens) - 1)
+
+    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
+        """Sets each row's drafts (at most its room): one device call (after the calls that
+        feed rows what they miss), then one read."""
+        if not rows:
+            return
+        slots = self.lengths.shape[0]
+        pending = np.zeros((slots, 2), np.int32)
+        counts = np.zeros((slots,), np.int32)
+        behind: dict[int, list[int]] = {}  # slot -> tokens to feed before the proposal
+        for seq, _ in rows:
+            tokens, slot = seq.tokens, seq.slot
+            known = self._known(seq)
+            self.lengths[slot] = known
+            if len(tokens) - known > 2:
+                behind[slot] = tokens[known:-1]
+                known = len(tokens) - 1
+            counts[slot] = len(tokens) - known
+            pending[slot, : counts[slot]] = tokens[known:]
+        self._feed(behind)
+        drafts, self.cache = _propose(
+            self.program, self.params, self.cache, upload(pending), upload(counts),
+            upload(self.lengths), self.k,
+        )  # fmt: skip
+        drafts = np.asarray(drafts)
+        for seq, room in rows:
+            slot, count = seq.slot, len(seq.tokens)
+            seq.drafts = drafts[slot, :room].tolist()
+            # The row now holds the sequence's tokens and K - 1 drafts (the last one the
+            # target scores is never fed).
+            self.fed[slot] = _Fed(seq.id, count, drafts[slot, : self.k - 1].tolist())
+            self.lengths[slot] = count + self.k - 1
+
+    def _feed(self, behind: dict[int, list[int]]) -> None:
+        """Appends each slot's missing tokens to its row, ``chunk`` per call (one shape)."""
+        longest = max((len(t) for t in behind.values()), default=0)
+        slots = self.lengths.shape[0]
+        for start in range(0, longest, self.chunk):
+            tokens = np.zeros((slots, self.chunk), np.int32)
+            counts = np.zeros((slots,), np.int32)
+            for slot, missing in behind.items():
+                part = missing[start : start + self.chunk]
+                tokens[slot, : len(part)] = part
+                counts[slot] = len(part)
+            self.cache = _append(
+                self.program.verify_fn, self.params, self.cache, upload(tokens),
+                upload(counts), upload(self.lengths),
+            )  # fmt: skip
+            self.lengths += counts
+
+    def warm(self) -> None:
+        """Compiles and runs both programs once on rows out of use."""
+        slots = self.lengths.shape[0]
+        self._feed({0: [0]})
+        _, self.cache = _propose(
+            self.program, self.params, self.cache, upload(np.zeros((slots, 2), np.int32)),
+            upload(np.zeros((slots,), np.int32)), upload(self.lengths), self.k,
+        )  # fmt: skip
+        self.lengths[:] = 0
+        self.fed = [None] * slots
