@@ -68,7 +68,12 @@ class Runner(Protocol):
 
 
 class DecoderRunner(Runner, Protocol):
-    """A decoder-only family: adds the verify step of speculative decoding."""
+    """A decoder-only family: adds the verify step of speculative decoding.
+
+    Its ``prefill``, ``decode`` and ``verify`` (and their ``lower_*``) also take
+    ``with_hidden=True``, which returns (logits, final hidden states [B, T, D]) in place of
+    the logits: the serving engine keeps them for a draft head.
+    """
 
     verify_fn: Callable[..., tuple[jax.Array, Any]]
     # verify_fn that also returns the final hidden states: ((logits, hidden[B, T, D]), cache)
@@ -80,7 +85,8 @@ class DecoderRunner(Runner, Protocol):
         tokens: jax.Array,
         lengths: jax.Array,
         adapters: Sequence[int] | None = None,
-    ) -> tuple[jax.Array, Any]:
+        with_hidden: bool = False,
+    ) -> tuple[Any, Any]:
         """Scores tokens [B, T] (first ``lengths[b]`` real); logits at every position."""
 
     def lower_verify(self, state: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

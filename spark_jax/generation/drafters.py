@@ -346,7 +346,9 @@ class HeadDrafts:
     target_config: ModelConfig
     needs_hidden = True
 
-    def _run(self, target_params, params, tokens, hidden, lengths, cache):
+    def run(self, target_params, params, tokens, hidden, lengths, cache):
+        """The head over entries tokens[B, T] (t_{p+1}) and hidden[B, T, D] (h_p), the first
+        ``lengths[b]`` real, at the cache's positions: (logits, h_next, cache)."""
         return draft_head.run_head(
             params, target_params, self.config, self.target_config, tokens, hidden, lengths, cache
         )
@@ -354,7 +356,7 @@ class HeadDrafts:
     def propose(self, target_params, params, state, carry, keys, temperature, k, sampled):
         active = carry.active
         count = jnp.where(active, state.count, 0)
-        logits, h, cache = self._run(
+        logits, h, cache = self.run(
             target_params, params, state.tokens, state.hidden, count, state.cache
         )
         at = jnp.maximum(count - 1, 0)[:, None, None]
@@ -366,7 +368,7 @@ class HeadDrafts:
         def one(loop, step):
             token, h, cache = loop
             lengths = active.astype(jnp.int32)
-            logits, h, cache = self._run(target_params, params, token[:, None], h, lengths, cache)
+            logits, h, cache = self.run(target_params, params, token[:, None], h, lengths, cache)
             new, q = _pick(logits[:, 0], step, temperature, sampled)
             return (new, h, cache), (new, q)
 
@@ -449,7 +451,7 @@ class HeadDrafter:
 @partial(jax.jit, static_argnames=("program",), donate_argnames=("cache",))
 def _head_prefill(program, target_params, params, tokens, hidden, lengths, cache):
     """The head over each prompt's positions 0..P-2 (their next tokens are the prompt's)."""
-    _, _, cache = program._run(target_params, params, tokens, hidden, lengths, cache)
+    _, _, cache = program.run(target_params, params, tokens, hidden, lengths, cache)
     return cache
 
 

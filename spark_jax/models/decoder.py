@@ -293,7 +293,9 @@ def _run(
     return model, hidden, kv
 
 
-@partial(jax.jit, static_argnames=("config", "fresh", "options"), donate_argnames=("kv",))
+@partial(
+    jax.jit, static_argnames=("config", "fresh", "options", "with_hidden"), donate_argnames=("kv",)
+)
 def prefill(
     params,
     config: ModelConfig,
@@ -305,11 +307,13 @@ def prefill(
     lora=None,
     *,
     options: KernelOptions = KernelOptions(),
-) -> tuple[jax.Array, KVCache]:
+    with_hidden: bool = False,
+) -> tuple[Any, KVCache]:
     """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
 
     ``fresh`` starts new sequences in those rows; otherwise the tokens are appended to what
-    the rows hold (chunked prefill).
+    the rows hold (chunked prefill). ``with_hidden``: (logits, the final hidden states
+    [B, T, D] of every position) in place of the logits (a draft head reads them).
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
     model, hidden, kv = _run(
@@ -317,10 +321,10 @@ def prefill(
     )
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
-    return logits, kv
+    return ((logits, hidden) if with_hidden else logits), kv
 
 
-@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("config", "options", "with_hidden"), donate_argnames=("kv",))
 def decode(
     params,
     config: ModelConfig,
@@ -330,14 +334,16 @@ def decode(
     lora=None,
     *,
     options: KernelOptions = KernelOptions(),
-) -> tuple[jax.Array, KVCache]:
-    """One token per cache row; rows where ``active`` is False keep their length."""
+    with_hidden: bool = False,
+) -> tuple[Any, KVCache]:
+    """One token per cache row; rows where ``active`` is False keep their length.
+    ``with_hidden``: (logits, the final hidden states [B, 1, D]) in place of the logits."""
     num_new = active.astype(jnp.int32)
     model, hidden, kv = _run(
         params, config, tokens[:, None], kv.lengths, num_new, None, kv, lora=lora, options=options
     )
     logits = model.apply({"params": params}, hidden[:, 0], method=DecoderLM.logits)
-    return logits, kv
+    return ((logits, hidden) if with_hidden else logits), kv
 
 
 def _decode_rows(
@@ -532,14 +538,18 @@ class Runner:
         continuing: bool = False,
         adapters: Sequence[int] | None = None,
         min_len: int = 0,
-    ) -> tuple[jax.Array, KVCache]:
+        with_hidden: bool = False,
+    ) -> tuple[Any, KVCache]:
         """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``.
 
         ``min_len`` pads the batch to at least that many tokens: a caller with a coarser
         ladder of chunk sizes than ``bucket`` keeps to its own (fewer) compiled shapes.
+        ``with_hidden``: (logits, hidden states [B, T, D]) in place of the logits.
         """
         del requests  # nothing per request changes a decoder prefill
-        args, kwargs = self._prefill_args(state, slots, prompts, continuing, adapters, min_len)
+        args, kwargs = self._prefill_args(
+            state, slots, prompts, continuing, adapters, min_len, with_hidden
+        )
         return prefill(*args, **kwargs)
 
     def lower_prefill(
@@ -550,13 +560,16 @@ class Runner:
         continuing: bool = False,
         adapters: Sequence[int] | None = None,
         min_len: int = 0,
+        with_hidden: bool = False,
     ) -> jax.stages.Lowered:
         """``prefill``'s program for these inputs, traced but neither compiled nor run (the
         engine compiles its shapes on threads, then its calls find them compiled)."""
-        args, kwargs = self._prefill_args(state, slots, prompts, continuing, adapters, min_len)
+        args, kwargs = self._prefill_args(
+            state, slots, prompts, continuing, adapters, min_len, with_hidden
+        )
         return prefill.lower(*args, **kwargs)
 
-    def _prefill_args(self, state, slots, prompts, continuing, adapters, min_len):
+    def _prefill_args(self, state, slots, prompts, continuing, adapters, min_len, with_hidden):
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise ValueError("a prompt is empty; give at least one token.")
@@ -572,7 +585,8 @@ class Runner:
             jnp.asarray(slots, jnp.int32),
             state,
         )
-        return args, {"fresh": not continuing, "lora": lora, "options": self.options}
+        kwargs = {"fresh": not continuing, "lora": lora, "options": self.options}
+        return args, kwargs | ({"with_hidden": True} if with_hidden else {})
 
     def decode(
         self,
@@ -580,9 +594,14 @@ class Runner:
         tokens: jax.Array,
         active: jax.Array,
         adapters: Sequence[int] | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+        with_hidden: bool = False,
+    ) -> tuple[Any, KVCache]:
+        """``with_hidden``: (logits, hidden states [B, 1, D]) in place of the logits."""
         lora = self._lora(adapters)
-        return decode(self.params, self.config, tokens, active, state, lora, options=self.options)
+        hidden = {"with_hidden": True} if with_hidden else {}
+        return decode(
+            self.params, self.config, tokens, active, state, lora, options=self.options, **hidden
+        )
 
     def lower_decode(
         self,
@@ -590,11 +609,13 @@ class Runner:
         tokens: jax.Array,
         active: jax.Array,
         adapters: Sequence[int] | None = None,
+        with_hidden: bool = False,
     ) -> jax.stages.Lowered:
         """``decode``'s program for these inputs, traced but neither compiled nor run."""
         lora = self._lora(adapters)
+        hidden = {"with_hidden": True} if with_hidden else {}
         return decode.lower(
-            self.params, self.config, tokens, active, state, lora, options=self.options
+            self.params, self.config, tokens, active, state, lora, options=self.options, **hidden
         )
 
     def verify(
@@ -603,9 +624,12 @@ class Runner:
         tokens: jax.Array,
         lengths: jax.Array,
         adapters: Sequence[int] | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+        with_hidden: bool = False,
+    ) -> tuple[Any, KVCache]:
+        """``with_hidden``: (logits, hidden states [B, T, D]) in place of the logits."""
         lora = self._lora(adapters)
-        return verify(self.params, self.config, tokens, lengths, state, lora, options=self.options)
+        step = verify_hidden if with_hidden else verify
+        return step(self.params, self.config, tokens, lengths, state, lora, options=self.options)
 
     def lower_verify(
         self,
@@ -613,10 +637,12 @@ class Runner:
         tokens: jax.Array,
         lengths: jax.Array,
         adapters: Sequence[int] | None = None,
+        with_hidden: bool = False,
     ) -> jax.stages.Lowered:
         """``verify``'s program for these inputs, traced but neither compiled nor run."""
         lora = self._lora(adapters)
-        return verify.lower(
+        step = verify_hidden if with_hidden else verify
+        return step.lower(
             self.params, self.config, tokens, lengths, state, lora, options=self.options
         )
 

@@ -9,9 +9,16 @@ engine's, whoever drafted.
 - ``ModelRows`` (``"draft"``, ``"layer-skip"``): a draft model (or the target less some
   layers) with a dense KV cache of one row per engine slot. One device call drafts K tokens
   for every row (the rows' last tokens, then K - 1 decode steps), whose result the host
-  reads. The drafts are the draft model's argmax for every row, sampled ones included: the
-  rule then judges them as deterministic drafts (q one-hot), which keeps the target's
-  distribution exactly, as it does for prompt lookup's drafts.
+  reads.
+- ``HeadRows`` (``"head"``): a draft head (spark_jax.models.draft_head) with a cache row per
+  slot, over the target's hidden states, which the executor keeps for every position its
+  steps compute (``PagedExecutor.hidden_rows``). One call feeds the head the positions
+  computed since its last proposal (the target's state at p and the token at p + 1), then
+  chains it K times.
+
+The drafts are the drafter's argmax for every row, sampled ones included: the rule then
+judges them as deterministic drafts (q one-hot), which keeps the target's distribution
+exactly, as it does for prompt lookup's drafts.
 
 A draft model's row follows its sequence without being told what the verdict was: the host
 remembers what it fed each row (the tokens up to the row's last, then K - 1 drafts), and
@@ -26,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +41,16 @@ import numpy as np
 
 from spark_jax.generation.drafters import (
     DraftModelDrafter,
+    HeadDrafter,
+    HeadDrafts,
+    HeadState,
     ModelDrafts,
     ModelDraftState,
     PromptLookupDrafter,
 )
 from spark_jax.generation.step import Carry
-from spark_jax.serving.executor import commit, upload
+from spark_jax.models import draft_head
+from spark_jax.serving.executor import PagedExecutor, commit, upload
 from spark_jax.serving.scheduler import SequenceState
 
 
@@ -180,6 +192,125 @@ class ModelRows:
         self._feed({0: [0]})
         _, self.cache = _propose(
             self.program, self.params, self.cache, upload(np.zeros((slots, 2), np.int32)),
+            upload(np.zeros((slots,), np.int32)), upload(self.lengths), self.k,
+        )  # fmt: skip
+        self.lengths[:] = 0
+        self.fed = [None] * slots
+
+
+def _gather_hidden(hidden_rows: jax.Array, starts: jax.Array, width: int) -> jax.Array:
+    """[S, width, D]: each slot's target states from position ``starts[s]`` on."""
+    positions = starts[:, None] + jnp.arange(width)[None, :]
+    return jnp.take_along_axis(hidden_rows, positions[:, :, None], axis=1, mode="clip")
+
+
+@partial(jax.jit, static_argnames=("program",), donate_argnames=("cache",))
+def _append_head(program: HeadDrafts, target_params, params, cache, hidden_rows, tokens, counts,
+                 lengths):  # fmt: skip
+    """Feeds the head the entries of positions lengths[s] .. + counts[s] (the target's state
+    there and tokens[S, C], the token after each)."""
+    hidden = _gather_hidden(hidden_rows, lengths, tokens.shape[1])
+    _, _, cache = program.run(
+        target_params, params, tokens, hidden, counts, cache.with_lengths(lengths)
+    )
+    return cache
+
+
+@partial(jax.jit, static_argnames=("program", "k"), donate_argnames=("cache",))
+def _propose_head(program: HeadDrafts, target_params, params, cache, hidden_rows, tokens,
+                  counts, lengths, k: int):  # fmt: skip
+    """Each active row's k greedy drafts (int32[S, k]) after feeding its ``counts[s]`` pending
+    entries (positions lengths[s] on, their next tokens ``tokens[S, W]``); count 0: left be."""
+    hidden = _gather_hidden(hidden_rows, lengths, tokens.shape[1])
+    state = HeadState(cache.with_lengths(lengths), tokens, hidden.astype(hidden_rows.dtype), counts)
+    carry = Carry(None, tokens[:, 0], counts > 0, jnp.zeros_like(counts), None)
+    keys = jnp.zeros((counts.shape[0], 2), jnp.uint32)  # greedy: no draw reads them
+    drafts, _, state = program.propose(
+        target_params, params, state, carry, keys, jnp.zeros(counts.shape, jnp.float32), k, False
+    )
+    return drafts, state.cache
+
+
+class HeadRows:
+    """A draft head's greedy drafts for the engine's rows, from a head cache row per slot."""
+
+    def __init__(
+        self, drafter: HeadDrafter, target: Any, executor: PagedExecutor, max_len: int, k: int,
+        chunk: int,
+    ):  # fmt: skip
+        if executor.hidden_rows is None:
+            raise ValueError("a draft head needs an executor that keeps its hidden states.")
+        self.program = drafter.program
+        self.params = drafter.head_params
+        self.target_params = target.runner.params
+        self.executor = executor
+        self.k = k
+        self.chunk = chunk
+        num_slots = executor.num_slots
+        cache = draft_head.init_cache(self.program.config, num_slots, max_len + k + 1, target.dtype)
+        self.cache = commit(cache)
+        self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
+        # Per slot: (sequence id, positions whose entries hold the target's true states).
+        self.fed: list[tuple[int, int] | None] = [None] * num_slots
+
+    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
+        """Sets each row's drafts (at most its room): one device call (after the calls that
+        feed rows what they miss), then one read."""
+        if not rows:
+            return
+        slots, width = self.lengths.shape[0], self.k + 1
+        tokens = np.zeros((slots, width), np.int32)
+        counts = np.zeros((slots,), np.int32)
+        behind: dict[int, list[int]] = {}  # slot -> next tokens of entries to feed first
+        for seq, _ in rows:
+            ids, slot = seq.tokens, seq.slot
+            fed = self.fed[slot]
+            known = fed[1] if fed is not None and fed[0] == seq.id else 0
+            # Positions 0 .. len - 2 are computed: each entry p reads the token at p + 1.
+            self.lengths[slot] = known
+            if len(ids) - 1 - known > width:
+                behind[slot] = ids[known + 1 : -1]
+                known = len(ids) - 2
+            counts[slot] = len(ids) - 1 - known
+            tokens[slot, : counts[slot]] = ids[known + 1 :]
+        self._feed(behind)
+        drafts, self.cache = _propose_head(
+            self.program, self.target_params, self.params, self.cache,
+            self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
+            self.k,
+        )  # fmt: skip
+        drafts = np.asarray(drafts)
+        for seq, room in rows:
+            slot, count = seq.slot, len(seq.tokens)
+            seq.drafts = drafts[slot, :room].tolist()
+            # True entries up to the last computed position; the chain's K - 1 after them.
+            self.fed[slot] = (seq.id, count - 1)
+            self.lengths[slot] = count - 1 + self.k - 1
+
+    def _feed(self, behind: dict[int, list[int]]) -> None:
+        """Feeds each slot's missing entries, ``chunk`` per call (one shape)."""
+        longest = max((len(t) for t in behind.values()), default=0)
+        slots = self.lengths.shape[0]
+        for start in range(0, longest, self.chunk):
+            tokens = np.zeros((slots, self.chunk), np.int32)
+            counts = np.zeros((slots,), np.int32)
+            for slot, missing in behind.items():
+                part = missing[start : start + self.chunk]
+                tokens[slot, : len(part)] = part
+                counts[slot] = len(part)
+            self.cache = _append_head(
+                self.program, self.target_params, self.params, self.cache,
+                self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
+            )  # fmt: skip
+            self.lengths += counts
+
+    def warm(self) -> None:
+        """Compiles and runs both programs once on rows out of use."""
+        slots = self.lengths.shape[0]
+        self._feed({0: [0]})
+        _, self.cache = _propose_head(
+            self.program, self.target_params, self.params, self.cache,
+            self.executor.hidden_rows, upload(np.zeros((slots, self.k + 1), np.int32)),
             upload(np.zeros((slots,), np.int32)), upload(self.lengths), self.k,
         )  # fmt: skip
         self.lengths[:] = 0

@@ -29,8 +29,9 @@ its prefill or decoded, and the host then checks stops and streams the deltas.
 Speculative decoding (a decoder-only engine built with ``speculative_config``, vLLM's:
 ``{"method": "ngram", "num_speculative_tokens": K}``; ``spark_jax.serving.speculation``):
 before each step the engine drafts up to K tokens for every speculative decoding row, by
-prompt lookup over the request's own tokens or with a draft model (or the target less some
-layers) that keeps a cache row per slot (``spark_jax.serving.drafting``); the scheduler
+prompt lookup over the request's own tokens or with a draft model, the target less some
+layers or a draft head over the target's hidden states, each keeping a cache row per slot
+(``spark_jax.serving.drafting``); the scheduler
 reserves their keys' pages; the step verifies every decode row at once (K + 1 positions
 each; a row with no drafts decodes in it as usual) and each row keeps its own number of
 drafts by the speculative rule (greedy:
@@ -289,7 +290,7 @@ class Engine:
         self._drafter = None
         if self.speculative is not None:
             self._drafter = self.speculative.row_drafter(
-                model, self.num_slots, self.max_model_len, min_chunk or MIN_CHUNK
+                model, self.executor, self.max_model_len, min_chunk or MIN_CHUNK
             )
         self._requests: dict[int, _Request] = {}
         self._in_flight: list[Picks] = []  # the last dispatched step's picks, not yet read
@@ -368,6 +369,7 @@ class Engine:
             top_rows,
             0 if self.speculative is None else self.speculative.num_speculative_tokens,
             num_scheduler_steps,
+            keep_hidden=self.speculative is not None and self.speculative.method == "head",
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",

@@ -85,6 +85,18 @@ def upload(x: np.ndarray | np.generic) -> jax.Array:
     return jax.device_put(np.array(x, copy=True))
 
 
+@partial(jax.jit, donate_argnames=("hidden_rows",))
+def _store_hidden(
+    hidden_rows: jax.Array, hidden: jax.Array, row_slots: jax.Array, starts: jax.Array
+) -> jax.Array:
+    """``hidden_rows`` [S, L, D] with hidden[b, t] written at (row_slots[b], starts[b] + t);
+    rows out of range and positions past L are dropped."""
+    positions = starts[:, None] + jnp.arange(hidden.shape[1])[None, :]
+    return hidden_rows.at[row_slots[:, None], positions].set(
+        hidden.astype(hidden_rows.dtype), mode="drop"
+    )
+
+
 @jax.jit
 def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     """Each decode row's input: its slot's last token (padding rows read some slot's)."""
@@ -672,6 +684,7 @@ class PagedExecutor:
         max_admitted: int,
         num_speculative_tokens: int = 0,
         num_scheduler_steps: int = 1,
+        keep_hidden: bool = False,
     ):
         c = model.config
         self.runner = model.runner
@@ -698,6 +711,12 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
+        # ``keep_hidden`` (a draft head's engine): every prefill, decode and verify step
+        # writes its final hidden states here, [slot, position, D], for the head to read.
+        self.hidden_rows: jax.Array | None = None
+        if keep_hidden:
+            shape = (num_slots, max_pages_per_seq * page_size, c.hidden_size)
+            self.hidden_rows = commit(jnp.zeros(shape, model.dtype), self.mesh)
         self.sampler = SlotPicker(
             num_slots, c.vocab_size, model.eos_token_ids, max_admitted,
             max_pages_per_seq * page_size, self.mesh,
@@ -721,6 +740,21 @@ class PagedExecutor:
     def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
         # Adapters go to the runner only when a pool exists, so plain models keep one compile.
         return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
+
+    def _hidden(self) -> dict[str, bool]:
+        """The steps' ``with_hidden`` argument when they keep their hidden states."""
+        return {} if self.hidden_rows is None else {"with_hidden": True}
+
+    def _keep(self, out: Any, row_slots: Sequence[int], starts: Sequence[int]) -> jax.Array:
+        """A step's logits; with ``hidden_rows``, its hidden states [B, T, D] are written
+        there first, row b's at slot ``row_slots[b]`` (out of range: dropped) from position
+        ``starts[b]`` (host arrays: the step's own were donated with its cache)."""
+        if self.hidden_rows is None:
+            return out
+        logits, hidden = out
+        host = (np.asarray(row_slots, np.int32), np.asarray(starts, np.int32))
+        self.hidden_rows = _store_hidden(self.hidden_rows, hidden, *jax.device_put(host))
+        return logits
 
     def _device_state(self, width: int) -> PagedKVCache:
         table = upload(self.table.pages[:, :width])
@@ -796,10 +830,14 @@ class PagedExecutor:
             return self._verify(rows, seqs, host, adapters)
         # One transfer for the step's host inputs: each upload is a dispatch of its own.
         host = (row_slots, table, lengths, active, generated)
+        starts = lengths
         row_slots, table, lengths, active, generated = jax.device_put(host)
         state = self.state.with_block_table(table).with_lengths(lengths)
         tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
-        logits, self.state = self.runner.decode(state, tokens, active, **self._lora(adapters))
+        out, self.state = self.runner.decode(
+            state, tokens, active, **self._lora(adapters), **self._hidden()
+        )
+        logits = self._keep(out, host[0], starts)
         if before_pick is not None:
             before_pick()
         return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
@@ -840,12 +878,16 @@ class PagedExecutor:
             num_drafts[i] = len(seq.drafts)
         real = active.astype(np.int32) + num_drafts  # tokens verified per row
         host = (row_slots, table, lengths, active, generated, drafts, num_drafts, real)
+        host_slots, starts = row_slots, lengths
         row_slots, table, lengths, active, generated, drafts, num_drafts, real = jax.device_put(
             host
         )
         state = self.state.with_block_table(table).with_lengths(lengths)
         tokens = _verify_inputs(self.sampler.last_tokens, row_slots, drafts)
-        logits, self.state = self.runner.verify(state, tokens, real, **self._lora(adapters))
+        out, self.state = self.runner.verify(
+            state, tokens, real, **self._lora(adapters), **self._hidden()
+        )
+        logits = self._keep(out, host_slots, starts)
         device_rows = (drafts, num_drafts, row_slots, active, generated)
         return self.sampler.judge(logits, seqs, device_rows)
 
@@ -857,14 +899,16 @@ class PagedExecutor:
         row_slots = [r.seq.slot for r in rows] + [nowhere] * pad
         chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows] + [[0]] * pad
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
-        chunk_logits, self.state = self.runner.prefill(
+        out, self.state = self.runner.prefill(
             self._device_state(self.max_pages_per_seq),
             row_slots,
             chunks,
             continuing=True,
             min_len=plan.prefill_len,
             **self._lora(adapters),
+            **self._hidden(),
         )
+        chunk_logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
         for r in rows:
             self.table.lengths[r.seq.slot] = r.start + r.length
         if not any(r.last for r in rows):
@@ -933,6 +977,7 @@ class PagedExecutor:
             )
             lora = self._lora(_warm_adapters(b, step.adapted))
             slots = upload(np.zeros((b,), np.int32))
+            lora |= self._hidden()
             if step.kind == "verify":  # its inputs as a run makes them
                 drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
@@ -944,8 +989,16 @@ class PagedExecutor:
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
-        kwargs = {"continuing": True, "min_len": chunk} | lora
+        kwargs = {"continuing": True, "min_len": chunk} | lora | self._hidden()
         return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
+
+    def warm_keep(self, out: Any) -> jax.Array:
+        """A warm-up step's logits, its hidden states stored nowhere (slots out of range) as
+        a run stores them."""
+        if self.hidden_rows is None:
+            return out
+        b = out[1].shape[0]
+        return self._keep(out, [self.num_slots] * b, [0] * b)
 
 
 def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stages.Lowered:
@@ -973,13 +1026,15 @@ def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmSte
             continue
         args, kwargs = executor.warm_inputs(step)
         if step.kind == "decode":
-            logits, executor.state = runner.decode(*args, **kwargs)
+            out, executor.state = runner.decode(*args, **kwargs)
         elif step.kind == "verify":
-            logits, executor.state = runner.verify(*args, **kwargs)
+            out, executor.state = runner.verify(*args, **kwargs)
+            logits = executor.warm_keep(out)
             verified[logits.shape[0]] = logits
             continue
         else:
-            logits, executor.state = runner.prefill(*args, **kwargs)
+            out, executor.state = runner.prefill(*args, **kwargs)
+        logits = executor.warm_keep(out)
         shapes[logits.shape[0]] = logits
     sampler.warm(list(shapes.values()))
     for logits in verified.values():
@@ -1108,6 +1163,10 @@ class DenseExecutor:
     def lower(self, step: WarmStep) -> jax.stages.Lowered:
         """The program of one warm-up step, traced but not compiled."""
         return _lower(self, step)
+
+    def warm_keep(self, out: jax.Array) -> jax.Array:
+        """A warm-up step's logits (its steps keep no hidden states)."""
+        return out
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         n = self.num_slots

@@ -10,11 +10,10 @@ drafters' names (``generation.drafters.DRAFTER_NAMES``); each method's own keys 
     "layer-skip"   skip_layers (the target's layers left out)
     "head"         draft_head (a head checkpoint file, or (params, block config))
 
-The engine drafts with prompt lookup on the host, from each request's own tokens, or with a
-draft model (or the target less some layers) on the device, one cache row per slot
-(``spark_jax.serving.drafting``); the draft head runs in ``sj.generate_speculative`` for now,
-one sequence per call. Any other key, or a key of another method, is refused with the valid
-ones named.
+The engine drafts with prompt lookup on the host, from each request's own tokens, or on the
+device with a draft model, the target less some layers or a draft head, one cache row per
+slot (``spark_jax.serving.drafting``). Any other key, or a key of another method, is refused
+with the valid ones named.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_jax.generation.drafters import DRAFTER_NAMES, PromptLookupDrafter, make_drafter
-from spark_jax.serving.drafting import LookupRows, ModelRows
+from spark_jax.serving.drafting import HeadRows, LookupRows, ModelRows
 
-# The methods the engine runs (the rest: generate_speculative).
-ENGINE_METHODS = ("ngram", "draft", "layer-skip")
 METHOD_KEYS = {
     "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
     "draft": ("draft_model",),
@@ -48,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     draft_model: Any = field(default=None, compare=False)  # a Model or a converted directory
     skip_layers: tuple[int, ...] = ()
+    draft_head: Any = field(default=None, compare=False)  # a head file, or (params, config)
 
     @classmethod
     def parse(cls, config: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -73,11 +71,6 @@ class SpeculativeConfig:
                 f"speculative_config key(s) {', '.join(map(repr, unknown))} do not apply to "
                 f"method {method!r}; its keys are {', '.join(map(repr, valid))}."
             )
-        if method not in ENGINE_METHODS:
-            raise ValueError(
-                f"the engine speculates with {', '.join(map(repr, ENGINE_METHODS))} so far; "
-                f"method {method!r} runs in sj.generate_speculative (one sequence per call)."
-            )
         k = config.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
@@ -87,6 +80,11 @@ class SpeculativeConfig:
         if method == "draft" and extra.get("draft_model") is None:
             raise ValueError(
                 'method "draft" needs draft_model: a Model or a converted model directory.'
+            )
+        if method == "head" and extra.get("draft_head") is None:
+            raise ValueError(
+                'method "head" needs draft_head: a draft head checkpoint (save_draft_head\'s '
+                "file) or (params, block config)."
             )
         if method == "layer-skip":
             skip = extra.get("skip_layers")
@@ -102,16 +100,19 @@ class SpeculativeConfig:
         return spec
 
     def row_drafter(
-        self, model: Any, num_slots: int, max_model_len: int, chunk: int
-    ) -> LookupRows | ModelRows:
-        """The engine's drafter of these settings for ``model``: ``num_slots`` rows of up to
-        ``max_model_len`` tokens; a draft model's missing tokens are fed ``chunk`` a call."""
+        self, model: Any, executor: Any, max_model_len: int, chunk: int
+    ) -> LookupRows | ModelRows | HeadRows:
+        """The engine's drafter of these settings for ``model``: a row per slot of
+        ``executor`` (a ``PagedExecutor``; a head reads its hidden states), of up to
+        ``max_model_len`` tokens; a row's missing tokens are fed ``chunk`` a call."""
+        k = self.num_speculative_tokens
         if self.method == "ngram":
             return LookupRows(PromptLookupDrafter(self.prompt_lookup_max, self.prompt_lookup_min))
         drafter = make_drafter(
-            self.method, model, draft_model=self.draft_model, skip=self.skip_layers
-        )
-        return ModelRows(
-            drafter, model.config.vocab_size, num_slots, max_model_len,
-            self.num_speculative_tokens, chunk,
+            self.method, model, draft_model=self.draft_model, skip=self.skip_layers,
+            head=self.draft_head,
         )  # fmt: skip
+        if self.method == "head":
+            return HeadRows(drafter, model, executor, max_model_len, k, chunk)
+        vocab = model.config.vocab_size
+        return ModelRows(drafter, vocab, executor.num_slots, max_model_len, k, chunk)

@@ -21,7 +21,9 @@ import pytest
 from helpers import CompileCounter, random_prompt
 
 import spark_jax as sj
+from spark_jax.generation.draft_training import HeadTraining, train_draft_head
 from spark_jax.generation.speculative import rejection_sample
+from spark_jax.models import draft_head
 from spark_jax.serving.engine import Engine
 from spark_jax.serving.pages import PageAllocator
 from spark_jax.serving.scheduler import Scheduler, SequenceState
@@ -38,21 +40,33 @@ def ngram(k: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def draft_model(tiny_llama):
-    """The target with its weights nudged: a draft that agrees often, not always."""
+def drafters(tiny_llama, reference) -> dict[str, dict]:
+    """Each method's own speculative_config keys: a draft model (the target with its weights
+    nudged: it agrees often, not always), a skipped layer, and a draft head trained briefly
+    on the batch's greedy outputs (it drafts most of them right)."""
     _, model = tiny_llama
     noise = jax.random.key(7)
 
     def nudge(x):
         return x + 0.3 * jnp.std(x) * jax.random.normal(noise, x.shape, x.dtype)
 
-    return sj.Model(model.config, jax.tree.map(nudge, model.params), model.tokenizer)
+    draft = sj.Model(model.config, jax.tree.map(nudge, model.params), model.tokenizer)
+    prompts, _, _ = mixed_batch()
+    sequences = [p + r.output_tokens for p, r in zip(prompts, reference, strict=True)]
+    config = draft_head.head_config(model.config, intermediate_size=32, num_heads=2)
+    training = HeadTraining(steps=100, batch_size=8, token_positions=64, learning_rate=5e-3)
+    head = train_draft_head(model, sequences, [len(p) for p in prompts], config, training)
+    return {
+        "ngram": {},
+        "draft": {"draft_model": draft},
+        "layer-skip": {"skip_layers": [1]},
+        "head": {"draft_head": (head.params, config)},
+    }
 
 
-def method(name: str, k: int, draft: sj.Model) -> dict:
+def method(name: str, k: int, drafters: dict[str, dict]) -> dict:
     """The speculative_config of method ``name`` with K = ``k``."""
-    extra = {"ngram": {}, "draft": {"draft_model": draft}, "layer-skip": {"skip_layers": [1]}}
-    return {"method": name, "num_speculative_tokens": k, **extra[name]}
+    return {"method": name, "num_speculative_tokens": k, **drafters[name]}
 
 
 def mixed_batch() -> tuple[list[list[int]], list[sj.SamplingParams], list[bool]]:
@@ -95,12 +109,12 @@ def reference(tiny_llama):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", ["ngram", "draft", "layer-skip"])
+@pytest.mark.parametrize("name", ["ngram", "draft", "layer-skip", "head"])
 def test_greedy_outputs_equal_the_engine_without_speculation(
-    tiny_llama, draft_model, reference, name, k
+    tiny_llama, drafters, reference, name, k
 ):
     _, model = tiny_llama
-    engine = Engine(model, **SMALL, speculative_config=method(name, k, draft_model))
+    engine = Engine(model, **SMALL, speculative_config=method(name, k, drafters))
     prompts, params, speculative = mixed_batch()
     aborted = 5
     results = drive(engine, prompts, params, speculative, abort=aborted)
@@ -126,16 +140,16 @@ def test_greedy_outputs_equal_the_engine_without_speculation(
     engine.scheduler.pages.check()
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft"])
+@pytest.mark.parametrize("name", ["ngram", "draft", "head"])
 def test_preempted_speculative_rows_resume_with_the_same_outputs(
-    tiny_llama, draft_model, reference, name
+    tiny_llama, drafters, reference, name
 ):
     """A pool too small for the batch: rows are preempted (drafts never cause it) and
     recomputed, and every output is still the engine's without speculation. A draft model's
-    row is fed its sequence again in the slot it resumes in, 16 tokens a call."""
+    (or head's) row is fed its sequence again in the slot it resumes in, 16 tokens a call."""
     _, model = tiny_llama
     small = SMALL | dict(min_chunk=16)
-    config = method(name, 4, draft_model)
+    config = method(name, 4, drafters)
     engine = Engine(model, **small, kv_pages=20, speculative_config=config)
     prompts, params, speculative = mixed_batch()
     results = drive(engine, prompts, params, speculative)
@@ -145,16 +159,16 @@ def test_preempted_speculative_rows_resume_with_the_same_outputs(
     engine.scheduler.pages.check()
 
 
-@pytest.mark.parametrize("name", ["ngram", "layer-skip"])
+@pytest.mark.parametrize("name", ["ngram", "layer-skip", "head"])
 def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_batch(
-    tiny_llama, draft_model, name
+    tiny_llama, drafters, name
 ):
     """Greedy, seeded sampled (with penalties and top-p) and logprob rows after warm-up: no
     compile; each sampled request's output is the one it gets alone."""
     _, model = tiny_llama
     engine = Engine(
         model, max_num_seqs=4, max_batch_tokens=32, min_chunk=32, page_size=8,
-        max_model_len=64, decode_widths=[4], speculative_config=method(name, 3, draft_model),
+        max_model_len=64, decode_widths=[4], speculative_config=method(name, 3, drafters),
     )  # fmt: skip
     engine.warmup(compile_threads=2)
     prompts = [random_prompt(i, 5) * 3 for i in range(6)]
@@ -175,6 +189,26 @@ def test_a_warmed_speculative_engine_never_compiles_and_sampling_ignores_the_bat
         assert alone.output_tokens == together[i].output_tokens
     assert engine.metrics().num_accepted_tokens > 0
     assert engine.pages_in_use == 0
+
+
+def test_a_draft_head_in_the_engine_drafts_what_it_drafts_in_generate_speculative(
+    tiny_llama, drafters
+):
+    """Each request alone: the engine's head (fed from the executor's kept hidden states)
+    keeps exactly as many drafts as generate_speculative's head (fed from its dense verify
+    steps), so it drafts the same tokens: a position off by one would draft others."""
+    _, model = tiny_llama
+    engine = Engine(model, **SMALL, speculative_config=method("head", 3, drafters))
+    prompts, params, _ = mixed_batch()
+    for i in (1, 3, 7, 9):
+        before = engine.metrics().num_accepted_tokens
+        (result,) = engine.generate_many([prompts[i]], [params[i]])
+        alone = sj.generate_speculative(
+            model, prompts[i], params[i], 3, "head", head=drafters["head"]["draft_head"]
+        )
+        assert result.output_tokens == alone.output_tokens
+        assert engine.metrics().num_accepted_tokens - before == alone.spec_stats["num_accepted"]
+        assert alone.spec_stats["num_accepted"] > 0
 
 
 def test_deterministic_drafts_are_judged_as_drafts_of_a_one_hot_q():
@@ -206,7 +240,7 @@ def test_speculative_config_mistakes_name_what_is_valid(tiny_llama):
         ({"method": "draft", "num_speculative_tokens": 2}, "needs draft_model"),
         ({"method": "layer-skip", "num_speculative_tokens": 2}, "needs skip_layers"),
         ({"method": "layer-skip", "num_speculative_tokens": 2, "skip_layers": [5]}, "outside"),
-        ({"method": "head", "num_speculative_tokens": 2, "draft_head": "h"}, "generate_spec"),
+        ({"method": "head", "num_speculative_tokens": 2}, "needs draft_head"),
     ]
     for config, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -219,7 +253,9 @@ def test_speculative_config_mistakes_name_what_is_valid(tiny_llama):
         },
     )
     with pytest.raises(ValueError, match="share the target's tokenizer"):
-        Engine(model, **SMALL, speculative_config=method("draft", 2, other))
+        Engine(
+            model, **SMALL, speculative_config=method("draft", 2, {"draft": {"draft_model": other}})
+        )
 
 
 # ------------------------------------------------------------------------------ the policy
