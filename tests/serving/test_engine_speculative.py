@@ -211,6 +211,36 @@ def test_a_draft_head_in_the_engine_drafts_what_it_drafts_in_generate_speculativ
         assert alone.spec_stats["num_accepted"] > 0
 
 
+@pytest.mark.parametrize("name", ["ngram", "draft"])
+def test_adapted_rows_verify_with_their_adapter(tiny_llama, tmp_path_factory, name):
+    """LoRA with speculation: a batch of rows under two adapters and the base gives the
+    engine's outputs without speculation (the target's adapter applies when verifying; a
+    draft model drafts without it)."""
+    from helpers import add_peft_adapters, model_from_hf
+
+    hf, base = tiny_llama
+    adapted = model_from_hf(hf)
+    adapted.enable_lora(max_adapters=2, max_rank=4)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    add_peft_adapters(adapted, hf, {"a": lora, "b": lora}, tmp_path_factory)
+    prompts = [random_prompt(300 + i, 6) * 3 for i in range(6)]
+    params = [
+        sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, adapter=adapter)
+        for adapter in ["a", None, "b", "a", "b", None]
+    ]
+    small = SMALL | dict(max_num_seqs=4, decode_widths=[4])
+    want = Engine(adapted, **small).generate_many(prompts, params)
+    plain = [dataclasses.replace(p, adapter=None) for p in params]
+    assert [r.output_tokens for r in want] != [
+        r.output_tokens for r in Engine(adapted, **small).generate_many(prompts, plain)
+    ]  # the adapters matter
+    config = method(name, 3, {"ngram": {}, "draft": {"draft_model": base}})
+    engine = Engine(adapted, **small, speculative_config=config)
+    got = engine.generate_many(prompts, params)
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in want]
+    assert engine.metrics().num_accepted_tokens > 0
+
+
 def test_deterministic_drafts_are_judged_as_drafts_of_a_one_hot_q():
     """q None (prompt lookup's drafts) gives the very draws of the general rule with q
     one-hot, whose output distribution is the target's (the chi-square test of
