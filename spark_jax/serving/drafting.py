@@ -30,7 +30,7 @@ a fixed width).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -92,6 +92,22 @@ def _propose(program: ModelDrafts, params, cache, pending, counts, lengths, k: i
         None, params, state, carry, keys, jnp.zeros(counts.shape, jnp.float32), k, False
     )
     return drafts, state.cache
+
+
+def _chunks(
+    behind: dict[int, list[int]], num_slots: int, width: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The (tokens[S, width], counts[S]) of each call that feeds the slots their missing
+    tokens in order, ``width`` at most per call and slot (one program shape)."""
+    longest = max((len(t) for t in behind.values()), default=0)
+    for start in range(0, longest, width):
+        tokens = np.zeros((num_slots, width), np.int32)
+        counts = np.zeros((num_slots,), np.int32)
+        for slot, missing in behind.items():
+            part = missing[start : start + width]
+            tokens[slot, : len(part)] = part
+            counts[slot] = len(part)
+        yield tokens, counts
 
 
 @dataclass
@@ -171,15 +187,7 @@ class ModelRows:
 
     def _feed(self, behind: dict[int, list[int]]) -> None:
         """Appends each slot's missing tokens to its row, ``chunk`` per call (one shape)."""
-        longest = max((len(t) for t in behind.values()), default=0)
-        slots = self.lengths.shape[0]
-        for start in range(0, longest, self.chunk):
-            tokens = np.zeros((slots, self.chunk), np.int32)
-            counts = np.zeros((slots,), np.int32)
-            for slot, missing in behind.items():
-                part = missing[start : start + self.chunk]
-                tokens[slot, : len(part)] = part
-                counts[slot] = len(part)
+        for tokens, counts in _chunks(behind, self.lengths.shape[0], self.chunk):
             self.cache = _append(
                 self.program.verify_fn, self.params, self.cache, upload(tokens),
                 upload(counts), upload(self.lengths),
@@ -288,16 +296,8 @@ class HeadRows:
             self.lengths[slot] = count - 1 + self.k - 1
 
     def _feed(self, behind: dict[int, list[int]]) -> None:
-        """Feeds each slot's missing entries, ``chunk`` per call (one shape)."""
-        longest = max((len(t) for t in behind.values()), default=0)
-        slots = self.lengths.shape[0]
-        for start in range(0, longest, self.chunk):
-            tokens = np.zeros((slots, self.chunk), np.int32)
-            counts = np.zeros((slots,), np.int32)
-            for slot, missing in behind.items():
-                part = missing[start : start + self.chunk]
-                tokens[slot, : len(part)] = part
-                counts[slot] = len(part)
+        """Feeds each slot's missing entries (their next tokens), ``chunk`` per call."""
+        for tokens, counts in _chunks(behind, self.lengths.shape[0], self.chunk):
             self.cache = _append_head(
                 self.program, self.target_params, self.params, self.cache,
                 self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
