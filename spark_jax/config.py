@@ -157,6 +157,8 @@ class ModelConfig:
     # Devices the params are laid out for (``for_tensor_parallel``): fused kernels are held
     # shard-major (spark_jax.ops.sharding); 1 is the checkpoint's layout.
     tensor_parallel: int = 1
+    # The checkpoint's KV heads where the layout holds copies of them (0: no copies).
+    checkpoint_kv_heads: int = 0
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -175,8 +177,24 @@ class ModelConfig:
             )
         if shards == 1:
             return self
+        copies = self.num_kv_heads < shards
         return dataclasses.replace(
-            self, num_kv_heads=max(self.num_kv_heads, shards), tensor_parallel=shards
+            self,
+            num_kv_heads=max(self.num_kv_heads, shards),
+            tensor_parallel=shards,
+            checkpoint_kv_heads=self.num_kv_heads if copies else 0,
+        )
+
+    def plain(self) -> ModelConfig:
+        """The checkpoint's config of a model laid out for tensor parallelism (this one when it
+        is not): what HF names and PEFT adapters describe."""
+        if self.tensor_parallel == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            num_kv_heads=self.checkpoint_kv_heads or self.num_kv_heads,
+            tensor_parallel=1,
+            checkpoint_kv_heads=0,
         )
 
     @property
@@ -234,6 +252,10 @@ class NllbConfig:
         for ffn in (self.encoder_ffn_dim, self.decoder_ffn_dim):
             _check_divides(shards, ffn, "FFN columns")
         return self if shards == 1 else dataclasses.replace(self, tensor_parallel=shards)
+
+    def plain(self) -> NllbConfig:
+        """The checkpoint's config of a model laid out for tensor parallelism."""
+        return dataclasses.replace(self, tensor_parallel=1)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

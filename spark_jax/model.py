@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spark_jax.config import ModelConfig, NllbConfig, config_from_hf
-from spark_jax.models import family
+from spark_jax.models import declare, family
 from spark_jax.models.common import ForwardOutput, bucket
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.sampling import SamplingParams
@@ -249,16 +249,17 @@ class Model:
         """
         from spark_jax.ops.lora import LoraPool
 
-        if self.mesh is not None:
-            raise ValueError(
-                "LoRA does not run under tensor parallelism yet; load with tensor_parallel=1 "
-                "to serve adapters."
-            )
         with self._lora_lock:
             if self.lora_pool is not None:
                 raise ValueError("LoRA is already enabled; remove adapters instead of resizing.")
-            targets = family(self.config).lora_targets(self.config)
-            self.runner.lora_pool = LoraPool(targets, max_adapters, max_rank, self.dtype)
+            # Adapters name the checkpoint's layers; a tensor-parallel layout's shard-major
+            # columns (and KV head copies) are where their updates then go.
+            plain = self.config.plain()
+            targets = family(plain).lora_targets(plain)
+            layouts = declare(plain).lora_layouts(self.tensor_parallel)
+            self.runner.lora_pool = LoraPool(
+                targets, max_adapters, max_rank, self.dtype, layouts, self.mesh
+            )
             self._adapt()
 
     def add_adapter(self, name: str, path: str | Path) -> None:

@@ -152,17 +152,44 @@ def loading_holds_no_full_copy(path: Path, model: sj.Model) -> dict:
     }
 
 
-def engine_check(path: Path) -> dict:
-    """A TP = 4 engine, warmed up, against each request alone at TP = 1."""
+def peft_adapter(out: Path, name: str, model_class, targets: list[str]) -> Path:
+    """A PEFT adapter (B non-zero) of the converted model ``name``, saved under ``out``."""
+    from helpers import make_peft
+
+    hf = model_class.from_pretrained(out / name / "hf").eval()
+    path = out / name / "adapter"
+    make_peft(hf, 0, r=4, lora_alpha=8, target_modules=targets).save_pretrained(path)
+    return path
+
+
+def lora_check(path: Path, adapter: Path, *inputs: list[int]) -> dict:
+    """An adapter's logits at TP = 2, 4, 8 against TP = 1 (max abs difference), and how far
+    the adapter moves them from the base model's (so a dropped update would show)."""
+    one = sj.load(path)
+    one.add_adapter("a", adapter)
+    reference = one.logits(*inputs, adapter="a")
+    diffs = {"effect": float(np.abs(reference - one.logits(*inputs)).max())}
+    for n in SHARDS:
+        model = sj.load(path, tensor_parallel=n)
+        model.add_adapter("a", adapter)
+        diffs[str(n)] = float(np.abs(model.logits(*inputs, adapter="a") - reference).max())
+    return diffs
+
+
+def engine_check(path: Path, adapter: Path) -> dict:
+    """A TP = 4 engine, warmed up, against each request alone at TP = 1; every other request
+    under an adapter."""
     from helpers import CompileCounter
 
     one = sj.load(path)
     model = sj.load(path, tensor_parallel=4)
+    for m in (one, model):
+        m.add_adapter("a", adapter)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 128, size=int(rng.randint(1, 30))).tolist() for _ in range(6)]
     params = [
         sj.SamplingParams(max_tokens=int(rng.randint(1, 6)), temperature=0.0 if i % 2 else 1.0,
-                          seed=i, top_k=20 if i % 3 else -1)
+                          seed=i, top_k=20 if i % 3 else -1, adapter="a" if i % 2 else None)
         for i in range(6)
     ]  # fmt: skip
     engine = sj.Engine(
@@ -186,8 +213,12 @@ GREEDY_SHARDS = {"llama": SHARDS, "nllb": (8,)}
 LOADING_CHECKS = {("llama", 4), ("qwen2", 8), ("nllb", 8)}
 
 
+DECODER_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NLLB_LORA = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+
+
 def single(out: Path) -> None:
-    report: dict = {"logits": {}, "greedy": {}, "loading": {}, "seconds": {}}
+    report: dict = {"logits": {}, "greedy": {}, "loading": {}, "seconds": {}, "lora": {}}
     report["seconds"]["imports"] = time.perf_counter() - STARTED
     paths = {}
     for name, (model_class, config) in decoder_families().items():
@@ -219,7 +250,14 @@ def single(out: Path) -> None:
         if ("nllb", n) in LOADING_CHECKS:
             report["loading"][f"nllb_tp{n}"] = loading_holds_no_full_copy(path, model)
     report["seconds"]["nllb"] = time.perf_counter() - STARTED
-    report["engine"] = engine_check(paths["llama"])
+    adapters = {
+        "llama": peft_adapter(out, "llama", decoder_families()["llama"][0], DECODER_LORA),
+        "nllb": peft_adapter(out, "nllb", nllb_family()[0], NLLB_LORA),
+    }
+    report["lora"]["llama"] = lora_check(paths["llama"], adapters["llama"], PROMPT)
+    report["lora"]["nllb"] = lora_check(paths["nllb"], adapters["nllb"], source, decoder_ids)
+    report["seconds"]["lora"] = time.perf_counter() - STARTED
+    report["engine"] = engine_check(paths["llama"], adapters["llama"])
     report["seconds"]["engine"] = time.perf_counter() - STARTED
     print(json.dumps(report["seconds"]))
     (out / "single.json").write_text(json.dumps(report, indent=1))

@@ -1,4 +1,5 @@
-"""Tensor parallelism (issue 26, CPU acceptance 1-3): one model over N simulated CPU devices.
+"""Tensor parallelism (issue 26, CPU acceptance 1-3): one model over N simulated CPU devices,
+LoRA adapters included.
 
 JAX fixes its device count when it starts, so the checks run in child processes
 (tests/tensor_parallel_checks.py): one with 8 devices for the parity, loading and engine
@@ -76,6 +77,15 @@ def test_greedy_tokens_under_tp_are_those_of_one_device(report, family):
     runs = report["greedy"][family]
     assert len(runs) >= 2
     assert all(tokens == runs["1"] for tokens in runs.values()), runs
+
+
+@pytest.mark.parametrize("family", ["llama", "nllb"])
+def test_adapters_under_tp_2_4_8_give_the_logits_of_one_device(report, family):
+    """LoRA on every projection (fused Q/K/V and gate/up, KV heads copied at TP = 4, 8): the
+    adapter's logits equal TP = 1's, and the adapter moves them (its update is there)."""
+    diffs = report["lora"][family]
+    assert diffs["effect"] > 0.1
+    assert max(diffs[n] for n in SHARDS) <= 1e-5, diffs
 
 
 def test_a_tp_4_engine_is_batch_invariant_and_never_compiles_after_warmup(report):

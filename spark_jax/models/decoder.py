@@ -515,8 +515,6 @@ class Runner:
         self.dtype = _params_dtype(params)
         self.kv_cache_dtype = "auto"  # the Model sets "fp8" for an E4M3 K/V cache
         self.mesh: Any = None  # the Model sets its tensor-parallel mesh (caches by KV heads)
-        # Adapters' A columns join the kernels (one GEMM) unless the kernels are narrow.
-        self._fuse_lora = config.quantization is None
         self.lora_pool: Any = None  # a spark_jax.ops.lora.LoraPool once LoRA is enabled
         # The pure decode step, for device loops of several steps (one object per runner,
         # so a jit taking it as a static argument compiles once per model).
@@ -645,6 +643,12 @@ class Runner:
         return step.lower(
             self.params, self.config, tokens, lengths, state, lora, options=self.options
         )
+
+    @property
+    def _fuse_lora(self) -> bool:
+        """Adapters' A columns join the kernels (one GEMM) unless the kernels are narrow or
+        sharded (a tensor-parallel model's adapters stay in the pool, held whole per device)."""
+        return self.config.quantization is None and self.mesh is None
 
     def lora_input(self, adapters: Sequence[int]) -> Any:
         """The adapter input of a step whose cache rows use ``adapters`` (for ``decode_fn``,

@@ -145,13 +145,19 @@ class Param:
     def scale_axes(self) -> tuple[str | None, ...]:
         return self.leaf_axes[-1:] if len(self.scale_shape) == 1 else self.leaf_axes
 
+    def column_layout(self, shards: int) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """(units, unit widths, shards): the arguments of ``fused_columns`` for this leaf under
+        ``shards``-way tensor parallelism; None when its columns are not reordered."""
+        if shards == 1 or self.units is None:
+            return None
+        widths = tuple(s[0] // u for s, u in zip(self.shapes, self.units, strict=True))
+        return tuple(self.units), widths, shards
+
     def shard_major_columns(self, shards: int) -> np.ndarray | None:
         """The order of this leaf's output columns (its last axis) under ``shards``-way tensor
         parallelism (``spark_jax.ops.sharding.fused_columns``); None: unchanged."""
-        if shards == 1 or self.units is None:
-            return None
-        widths = [s[0] // u for s, u in zip(self.shapes, self.units, strict=True)]
-        return fused_columns(self.units, widths, shards)
+        layout = self.column_layout(shards)
+        return None if layout is None else fused_columns(*layout)
 
     def hf_scale_names(self) -> tuple[str, ...]:
         """The compressed-tensors scale of each part (``weight_scale [out, 1]``)."""
@@ -377,6 +383,17 @@ class Declaration:
                 if columns is not None:
                     node[path[-1]] = jnp.take(node[path[-1]], columns, axis=-1)
         return jax.tree.map(jax.device_put, tree, dict(shardings))
+
+    def lora_layouts(self, shards: int) -> dict[tuple[str, ...], tuple]:
+        """Each adapted layer's output column layout under ``shards``-way tensor parallelism
+        (``Param.column_layout``), by its Linear's path: where the adapters' updates, made in
+        this (the checkpoint's) column order, go in the sharded layer's output."""
+        layouts = {}
+        for p in self.params:
+            layout = p.column_layout(shards) if p.lora else None
+            if layout is not None:
+                layouts[p.path[:-1]] = layout
+        return layouts
 
     def lora_targets(self) -> dict[str, LoraTarget]:
         """PEFT module names → where their low-rank updates land in our (fused) kernels."""

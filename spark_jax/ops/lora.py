@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spark_jax.ops.sharding import fused_columns, replicated
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -295,8 +297,15 @@ class LoraPool:
         max_adapters: int = 8,
         max_rank: int = 16,
         dtype: Any = jnp.float32,
+        layouts: Mapping[tuple[str, ...], tuple] | None = None,
+        mesh: Any = None,
     ):
+        """``layouts`` and ``mesh``: a tensor-parallel model's (``Declaration.lora_layouts``
+        of its checkpoint's declaration): each update, made in the checkpoint's column order,
+        is put in the sharded layer's, and the pool is held whole on every device."""
         self.targets = dict(targets)
+        self.layouts = dict(layouts or {})
+        self.mesh = mesh
         self.max_adapters = max_adapters
         self.max_rank = max_rank
         self.dtype = dtype
@@ -400,6 +409,8 @@ class LoraPool:
             tree: dict = {}
             for path, layer in self._layers.items():
                 _set(tree, path, {k: jnp.asarray(layer[k], self.dtype) for k in keys})
+            if self.mesh is not None:
+                tree = jax.device_put(tree, replicated(self.mesh))
             self._device[keys] = tree
         return self._device[keys]
 
@@ -412,7 +423,8 @@ class LoraPool:
         rows = jnp.asarray(adapter_slots, jnp.int32)
         weights = self.device_weights(("b",) if fused else ("a", "b"))
         chunks = tuple((path, counts) for path, (_, counts) in self._chunks.items())
-        return LoraBatch(weights, rows, self.max_adapters, chunks)
+        layouts = tuple(self.layouts.items())
+        return LoraBatch(weights, rows, self.max_adapters, chunks, layouts)
 
     def fused_params(self, params: Mapping) -> dict:
         """A new params tree whose adapted kernels hold the pool's A beside W.
@@ -487,7 +499,7 @@ class LoraPool:
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["weights", "rows"],
-    meta_fields=["num_adapters", "chunks"],
+    meta_fields=["num_adapters", "chunks", "layouts"],
 )
 @dataclass(frozen=True)
 class LoraBatch:
@@ -497,6 +509,7 @@ class LoraBatch:
     rows: jax.Array  # int32[B]
     num_adapters: int
     chunks: tuple = ()  # (Linear path under this scope, chunks of each fused part) pairs
+    layouts: tuple = ()  # (Linear path, its tensor-parallel column layout) pairs, if any
 
     def scope(self, *keys: str) -> LoraBatch | None:
         """The part of the pool under a params path (None when nothing there is adapted)."""
@@ -507,7 +520,8 @@ class LoraBatch:
             node = node[key]
         n = len(keys)
         chunks = tuple((path[n:], c) for path, c in self.chunks if path[:n] == keys)
-        return LoraBatch(node, self.rows, self.num_adapters, chunks)
+        layouts = tuple((path[n:], c) for path, c in self.layouts if path[:n] == keys)
+        return LoraBatch(node, self.rows, self.num_adapters, chunks, layouts)
 
     @property
     def part_chunks(self) -> tuple[int, ...]:
@@ -547,7 +561,11 @@ class LoraBatch:
         # A part of several chunks (q over its 4 chunks at Llama's GQA 4): its h feeds each.
         h = jnp.repeat(h, np.asarray(counts), axis=2, total_repeat_length=b.shape[0])
         out = jnp.einsum("btkr,krc->btkc", h, b, preferred_element_type=jnp.float32)
-        return out.reshape(*out.shape[:2], -1)
+        out = out.reshape(*out.shape[:2], -1)
+        layout = dict(self.layouts).get(())
+        order = None if layout is None else fused_columns(*layout)
+        # Under tensor parallelism the layer's columns are shard-major: the update follows.
+        return out if order is None else jnp.take(out, order, axis=-1)
 
 
 def scope(lora: LoraBatch | None, *keys: str) -> LoraBatch | None:
