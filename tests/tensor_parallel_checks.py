@@ -207,6 +207,33 @@ def engine_check(path: Path, adapter: Path) -> dict:
     }
 
 
+def speculative_check(path: Path) -> dict:
+    """At TP = 4, greedy speculative outputs (a draft model laid out as the target, alone and
+    in the engine; prompt lookup in the engine) against plain greedy at TP = 1."""
+    one = sj.load(path)
+    model = sj.load(path, tensor_parallel=4)
+    params = sj.SamplingParams(max_tokens=12, temperature=0.0)
+    prompt = PROMPT * 3
+    want = sj.generate(one, prompt, params).output_tokens
+    alone = sj.generate_speculative(model, prompt, params, 3, "draft", draft_model=model)
+    result = {"alone_draft": alone.output_tokens == want}
+    try:  # a draft on one device cannot share the target's program
+        sj.generate_speculative(model, prompt, params, 3, "draft", draft_model=one)
+        result["other_layout_refused"] = ""
+    except ValueError as error:
+        result["other_layout_refused"] = str(error)
+    for method, extra in (("ngram", {}), ("draft", {"draft_model": model})):
+        config = {"method": method, "num_speculative_tokens": 3, **extra}
+        engine = sj.Engine(
+            model, max_num_seqs=2, max_batch_tokens=16, page_size=16, max_model_len=64,
+            decode_widths=[2], speculative_config=config,
+        )  # fmt: skip
+        (out,) = engine.generate_many([prompt], [params])
+        result[f"engine_{method}"] = out.output_tokens == want
+        result[f"engine_{method}_accepted"] = engine.metrics().num_accepted_tokens
+    return result
+
+
 # Greedy runs compile a generation loop per layout: every TP size for Llama, one for the other
 # families (their logits are checked at every size).
 GREEDY_SHARDS = {"llama": SHARDS, "nllb": (8,)}
@@ -258,6 +285,7 @@ def single(out: Path) -> None:
     report["lora"]["nllb"] = lora_check(paths["nllb"], adapters["nllb"], source, decoder_ids)
     report["seconds"]["lora"] = time.perf_counter() - STARTED
     report["engine"] = engine_check(paths["llama"], adapters["llama"])
+    report["speculative"] = speculative_check(paths["llama"])
     report["seconds"]["engine"] = time.perf_counter() - STARTED
     print(json.dumps(report["seconds"]))
     (out / "single.json").write_text(json.dumps(report, indent=1))

@@ -95,6 +95,15 @@ def test_a_tp_4_engine_is_batch_invariant_and_never_compiles_after_warmup(report
     assert engine["pages_spec"] == "P(None, None, 'tp')"  # pages split by KV heads
 
 
+def test_speculative_decoding_at_tp_4_gives_the_greedy_tokens_of_one_device(report):
+    """A draft model laid out as the target (alone and in the engine) and prompt lookup in
+    the engine, at TP = 4: plain greedy's tokens at TP = 1, with drafts kept."""
+    seen = report["speculative"]
+    assert seen["alone_draft"] and seen["engine_ngram"] and seen["engine_draft"], seen
+    assert seen["engine_draft_accepted"] > 0  # the draft is the target: most are kept
+    assert "load the draft with tensor_parallel=4" in seen["other_layout_refused"]
+
+
 @pytest.mark.parametrize("case", ["llama_tp4", "qwen2_tp8", "nllb_tp8"])
 def test_no_device_holds_a_full_copy_of_a_sharded_weight_while_loading(report, case):
     seen = report["loading"][case]

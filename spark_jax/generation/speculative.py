@@ -538,6 +538,14 @@ def generate_speculative(
     adapter = adapter_slot(model.lora_pool, params.adapter)  # unknown names fail here
     if drafter is None or isinstance(drafter, str):
         drafter = make_drafter(drafter or "ngram", model, draft_model, skip, head)
+    if isinstance(drafter, DraftModelDrafter) and drafter.model.tensor_parallel != (
+        model.tensor_parallel
+    ):
+        raise ValueError(
+            f"the draft model is laid out over {drafter.model.tensor_parallel} device(s) and "
+            f"the target over {model.tensor_parallel}; load the draft with tensor_parallel="
+            f"{model.tensor_parallel} (one program drafts and verifies)."
+        )
     slots = model.slot_pool.acquire(1)
     run = _Speculation(model, prompt, params, num_drafts, drafter, adapter, loop or LoopOptions())
     try:

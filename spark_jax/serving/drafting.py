@@ -50,7 +50,7 @@ from spark_jax.generation.drafters import (
 )
 from spark_jax.generation.step import Carry
 from spark_jax.models import draft_head
-from spark_jax.serving.executor import PagedExecutor, commit, upload
+from spark_jax.serving.executor import PagedExecutor, commit, commit_cache, upload
 from spark_jax.serving.scheduler import SequenceState
 
 
@@ -137,7 +137,7 @@ class ModelRows:
         self.k = k
         self.chunk = chunk  # the width of the calls that feed a row what it is missing
         # K - 1 drafts past the longest sequence; writes past a row's end are dropped.
-        self.cache = commit(draft.runner.init_state(num_slots, max_len + k))
+        self.cache = commit_cache(draft.runner.init_state(num_slots, max_len + k), draft.mesh)
         self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
         self.fed: list[_Fed | None] = [None] * num_slots
 
@@ -256,7 +256,7 @@ class HeadRows:
         self.chunk = chunk
         num_slots = executor.num_slots
         cache = draft_head.init_cache(self.program.config, num_slots, max_len + k + 1, target.dtype)
-        self.cache = commit(cache)
+        self.cache = commit(cache, executor.mesh)  # beside the target's hidden states
         self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
         # Per slot: (sequence id, positions whose entries hold the target's true states).
         self.fed: list[tuple[int, int] | None] = [None] * num_slots
