@@ -209,7 +209,10 @@ def engine_check(path: Path, adapter: Path) -> dict:
 
 def speculative_check(path: Path) -> dict:
     """At TP = 4, greedy speculative outputs (a draft model laid out as the target, alone and
-    in the engine; prompt lookup in the engine) against plain greedy at TP = 1."""
+    in the engine; prompt lookup and a random draft head in the engine) against plain greedy
+    at TP = 1."""
+    from spark_jax.models import draft_head
+
     one = sj.load(path)
     model = sj.load(path, tensor_parallel=4)
     params = sj.SamplingParams(max_tokens=12, temperature=0.0)
@@ -222,7 +225,10 @@ def speculative_check(path: Path) -> dict:
         result["other_layout_refused"] = ""
     except ValueError as error:
         result["other_layout_refused"] = str(error)
-    for method, extra in (("ngram", {}), ("draft", {"draft_model": model})):
+    head_config = draft_head.head_config(one.config, intermediate_size=32, num_heads=2)
+    head = (draft_head.init_params(head_config, jax.random.PRNGKey(3)), head_config)
+    methods = (("ngram", {}), ("draft", {"draft_model": model}), ("head", {"draft_head": head}))
+    for method, extra in methods:
         config = {"method": method, "num_speculative_tokens": 3, **extra}
         engine = sj.Engine(
             model, max_num_seqs=2, max_batch_tokens=16, page_size=16, max_model_len=64,

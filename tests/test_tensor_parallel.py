@@ -96,10 +96,11 @@ def test_a_tp_4_engine_is_batch_invariant_and_never_compiles_after_warmup(report
 
 
 def test_speculative_decoding_at_tp_4_gives_the_greedy_tokens_of_one_device(report):
-    """A draft model laid out as the target (alone and in the engine) and prompt lookup in
-    the engine, at TP = 4: plain greedy's tokens at TP = 1, with drafts kept."""
+    """A draft model laid out as the target (alone and in the engine), prompt lookup and a
+    draft head in the engine, at TP = 4: plain greedy's tokens at TP = 1, with drafts kept."""
     seen = report["speculative"]
     assert seen["alone_draft"] and seen["engine_ngram"] and seen["engine_draft"], seen
+    assert seen["engine_head"], seen  # the head reads the sharded target's hidden states
     assert seen["engine_draft_accepted"] > 0  # the draft is the target: most are kept
     assert "load the draft with tensor_parallel=4" in seen["other_layout_refused"]
 

@@ -17,6 +17,8 @@ next step's decode reads it, so the engine reads a step's tokens while the next 
   step's attention reads each row's pages in place (cuDNN's paged attention), elsewhere it
   gathers the rows and the table's width (the longest row, in pages) moves on a ladder so
   the gather stays short.
+  A draft head's engine keeps every step's final hidden states per slot and position
+  (``hidden_rows``), which the head reads (``spark_jax.serving.drafting``).
 - ``DenseExecutor``: an encoder-decoder model over the runner's dense per-slot cache (whole
   sources prefilled with their cross K/V; the decode step runs every slot), plus the beam
   lane (``BeamLane``), whose beams reorder their own cache rows every step.
@@ -975,17 +977,16 @@ class PagedExecutor:
             state = self.state.with_block_table(empty).with_lengths(
                 upload(np.zeros((b,), np.int32))
             )
-            lora = self._lora(_warm_adapters(b, step.adapted))
+            kwargs = self._lora(_warm_adapters(b, step.adapted)) | self._hidden()
             slots = upload(np.zeros((b,), np.int32))
-            lora |= self._hidden()
             if step.kind == "verify":  # its inputs as a run makes them
                 drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
-                return (state, tokens, upload(np.zeros((b,), np.int32))), lora
+                return (state, tokens, upload(np.zeros((b,), np.int32))), kwargs
             # The decode's input tokens as a run gathers them.
             tokens = _gather_tokens(self.sampler.last_tokens, slots)
             active = upload(np.zeros((b,), bool))
-            return (state, tokens, active), lora
+            return (state, tokens, active), kwargs
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
