@@ -110,6 +110,76 @@ def _chunks(
         yield tokens, counts
 
 
+class _DeviceRows:
+    """A device drafter's cache rows, one per engine slot, and the host's record of them.
+
+    Each row's stream of inputs (a draft model's tokens; a head's entries, named by the
+    token after each position) is fed in order; ``propose`` feeds a row what it misses (in
+    calls of ``chunk``), then one call takes every row's last ``width`` pending inputs and
+    chains K drafts. ``lengths`` mirrors the rows' lengths on the device: every call passes
+    them, so a row that takes no part keeps its contents (its writes land past its end).
+    Subclasses give the stream (``_pending``), the two programs (``_append``, ``_draft``) and
+    what a proposal leaves in a row (``_record``).
+    """
+
+    width: int  # inputs a proposal call takes per row
+
+    def __init__(self, num_slots: int, k: int, chunk: int, cache: Any):
+        self.k = k
+        self.chunk = chunk  # the width of the calls that feed a row what it is missing
+        self.cache = cache
+        self.lengths = np.zeros((num_slots,), np.int32)
+        self.fed: list[Any] = [None] * num_slots  # per slot: what its row holds (a subclass's)
+
+    def _pending(self, seq: SequenceState) -> tuple[int, list[int]]:
+        """(the inputs of ``seq`` its row holds, the inputs still to feed)."""
+        raise NotImplementedError
+
+    def _append(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Feeds rows ``counts[s]`` inputs ``tokens[S, C]`` from their ``lengths``."""
+        raise NotImplementedError
+
+    def _draft(self, tokens: np.ndarray, counts: np.ndarray) -> jax.Array:
+        """Feeds each row's pending inputs ``tokens[S, width]``; its k greedy drafts."""
+        raise NotImplementedError
+
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
+        """Notes what a proposal left in ``seq``'s row (and its length on the device)."""
+        raise NotImplementedError
+
+    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
+        """Sets each row's drafts (at most its room): one device call (after the calls that
+        feed rows what they miss), then one read."""
+        if not rows:
+            return
+        slots = self.lengths.shape[0]
+        tokens = np.zeros((slots, self.width), np.int32)
+        counts = np.zeros((slots,), np.int32)
+        behind: dict[int, list[int]] = {}  # slot -> inputs to feed before the proposal
+        for seq, _ in rows:
+            known, pending = self._pending(seq)
+            self.lengths[seq.slot] = known
+            if len(pending) > self.width:
+                behind[seq.slot], pending = pending[:-1], pending[-1:]
+            counts[seq.slot] = len(pending)
+            tokens[seq.slot, : len(pending)] = pending
+        for chunk, fed in _chunks(behind, slots, self.chunk):
+            self._append(chunk, fed)
+            self.lengths += fed
+        drafts = np.asarray(self._draft(tokens, counts))
+        for seq, room in rows:
+            seq.drafts = drafts[seq.slot, :room].tolist()
+            self._record(seq, drafts[seq.slot])
+
+    def warm(self) -> None:
+        """Compiles and runs both programs once on rows out of use."""
+        slots = self.lengths.shape[0]
+        self._append(np.zeros((slots, self.chunk), np.int32), np.eye(1, slots, dtype=np.int32)[0])
+        self._draft(np.zeros((slots, self.width), np.int32), np.zeros((slots,), np.int32))
+        self.lengths[:] = 0
+        self.fed = [None] * slots
+
+
 @dataclass
 class _Fed:
     """What a draft cache row holds: ``seq_id``'s first ``count`` tokens, then ``drafts``."""
@@ -119,8 +189,12 @@ class _Fed:
     drafts: list[int] = field(default_factory=list)
 
 
-class ModelRows:
-    """A draft model's greedy drafts for the engine's rows, from a cache row per slot."""
+class ModelRows(_DeviceRows):
+    """A draft model's greedy drafts for the engine's rows, from a cache row per slot: its
+    inputs are the sequence's tokens; a proposal feeds the last one or two (the token the
+    last step kept beside its drafts) and K - 1 of its drafts."""
+
+    width = 2
 
     def __init__(
         self, drafter: DraftModelDrafter, vocab_size: int, num_slots: int, max_len: int, k: int,
@@ -132,78 +206,45 @@ class ModelRows:
                 f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the "
                 f"target's {vocab_size}; a draft model must share the target's tokenizer."
             )
+        # K - 1 drafts past the longest sequence; writes past a row's end are dropped.
+        cache = commit_cache(draft.runner.init_state(num_slots, max_len + k), draft.mesh)
+        super().__init__(num_slots, k, chunk, cache)
         self.program = drafter.program
         self.params = draft.runner.params
-        self.k = k
-        self.chunk = chunk  # the width of the calls that feed a row what it is missing
-        # K - 1 drafts past the longest sequence; writes past a row's end are dropped.
-        self.cache = commit_cache(draft.runner.init_state(num_slots, max_len + k), draft.mesh)
-        self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
-        self.fed: list[_Fed | None] = [None] * num_slots
 
-    def _known(self, seq: SequenceState) -> int:
-        """How many of ``seq``'s tokens its slot's row holds (all but at least its last)."""
+    def _pending(self, seq: SequenceState) -> tuple[int, list[int]]:
+        """The row holds the sequence's tokens up to its last proposal and the drafts it fed
+        then that the sequence kept; never the last token (a proposal's first input)."""
         fed, tokens = self.fed[seq.slot], seq.tokens
-        if fed is None or fed.seq_id != seq.id:
-            return 0
-        known = fed.count
-        for draft in fed.drafts:
-            if known >= len(tokens) or tokens[known] != draft:
-                break
-            known += 1
-        return min(known, len(tokens) - 1)
+        known = 0
+        if fed is not None and fed.seq_id == seq.id:
+            known = fed.count
+            for draft in fed.drafts:
+                if known >= len(tokens) or tokens[known] != draft:
+                    break
+                known += 1
+        known = min(known, len(tokens) - 1)
+        return known, tokens[known:]
 
-    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
-        """Sets each row's drafts (at most its room): one device call (after the calls that
-        feed rows what they miss), then one read."""
-        if not rows:
-            return
-        slots = self.lengths.shape[0]
-        pending = np.zeros((slots, 2), np.int32)
-        counts = np.zeros((slots,), np.int32)
-        behind: dict[int, list[int]] = {}  # slot -> tokens to feed before the proposal
-        for seq, _ in rows:
-            tokens, slot = seq.tokens, seq.slot
-            known = self._known(seq)
-            self.lengths[slot] = known
-            if len(tokens) - known > 2:
-                behind[slot] = tokens[known:-1]
-                known = len(tokens) - 1
-            counts[slot] = len(tokens) - known
-            pending[slot, : counts[slot]] = tokens[known:]
-        self._feed(behind)
+    def _append(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        self.cache = _append(
+            self.program.verify_fn, self.params, self.cache, upload(tokens), upload(counts),
+            upload(self.lengths),
+        )  # fmt: skip
+
+    def _draft(self, tokens: np.ndarray, counts: np.ndarray) -> jax.Array:
         drafts, self.cache = _propose(
-            self.program, self.params, self.cache, upload(pending), upload(counts),
+            self.program, self.params, self.cache, upload(tokens), upload(counts),
             upload(self.lengths), self.k,
         )  # fmt: skip
-        drafts = np.asarray(drafts)
-        for seq, room in rows:
-            slot, count = seq.slot, len(seq.tokens)
-            seq.drafts = drafts[slot, :room].tolist()
-            # The row now holds the sequence's tokens and K - 1 drafts (the last one the
-            # target scores is never fed).
-            self.fed[slot] = _Fed(seq.id, count, drafts[slot, : self.k - 1].tolist())
-            self.lengths[slot] = count + self.k - 1
+        return drafts
 
-    def _feed(self, behind: dict[int, list[int]]) -> None:
-        """Appends each slot's missing tokens to its row, ``chunk`` per call (one shape)."""
-        for tokens, counts in _chunks(behind, self.lengths.shape[0], self.chunk):
-            self.cache = _append(
-                self.program.verify_fn, self.params, self.cache, upload(tokens),
-                upload(counts), upload(self.lengths),
-            )  # fmt: skip
-            self.lengths += counts
-
-    def warm(self) -> None:
-        """Compiles and runs both programs once on rows out of use."""
-        slots = self.lengths.shape[0]
-        self._feed({0: [0]})
-        _, self.cache = _propose(
-            self.program, self.params, self.cache, upload(np.zeros((slots, 2), np.int32)),
-            upload(np.zeros((slots,), np.int32)), upload(self.lengths), self.k,
-        )  # fmt: skip
-        self.lengths[:] = 0
-        self.fed = [None] * slots
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
+        # The row now holds the sequence's tokens and K - 1 drafts (the last one the target
+        # scores is never fed).
+        count = len(seq.tokens)
+        self.fed[seq.slot] = _Fed(seq.id, count, drafts[: self.k - 1].tolist())
+        self.lengths[seq.slot] = count + self.k - 1
 
 
 def _gather_hidden(hidden_rows: jax.Array, starts: jax.Array, width: int) -> jax.Array:
@@ -239,8 +280,11 @@ def _propose_head(program: HeadDrafts, target_params, params, cache, hidden_rows
     return drafts, state.cache
 
 
-class HeadRows:
-    """A draft head's greedy drafts for the engine's rows, from a head cache row per slot."""
+class HeadRows(_DeviceRows):
+    """A draft head's greedy drafts for the engine's rows, from a head cache row per slot:
+    its inputs are the entries of the computed positions p (the target's state there, read
+    from the executor, and the token at p + 1, the input named here); a proposal feeds those
+    computed since the last (at most K + 1), then chains the head K - 1 times."""
 
     def __init__(
         self, drafter: HeadDrafter, target: Any, executor: PagedExecutor, max_len: int, k: int,
@@ -249,69 +293,37 @@ class HeadRows:
         if executor.hidden_rows is None:
             raise ValueError("a draft head needs an executor that keeps its hidden states.")
         self.program = drafter.program
+        num_slots = executor.num_slots
+        cache = draft_head.init_cache(self.program.config, num_slots, max_len + k + 1, target.dtype)
+        # Beside the target's hidden states (on its devices).
+        super().__init__(num_slots, k, chunk, commit(cache, executor.mesh))
+        self.width = k + 1
         self.params = drafter.head_params
         self.target_params = target.runner.params
         self.executor = executor
-        self.k = k
-        self.chunk = chunk
-        num_slots = executor.num_slots
-        cache = draft_head.init_cache(self.program.config, num_slots, max_len + k + 1, target.dtype)
-        self.cache = commit(cache, executor.mesh)  # beside the target's hidden states
-        self.lengths = np.zeros((num_slots,), np.int32)  # each row's length on the device
-        # Per slot: (sequence id, positions whose entries hold the target's true states).
-        self.fed: list[tuple[int, int] | None] = [None] * num_slots
 
-    def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
-        """Sets each row's drafts (at most its room): one device call (after the calls that
-        feed rows what they miss), then one read."""
-        if not rows:
-            return
-        slots, width = self.lengths.shape[0], self.k + 1
-        tokens = np.zeros((slots, width), np.int32)
-        counts = np.zeros((slots,), np.int32)
-        behind: dict[int, list[int]] = {}  # slot -> next tokens of entries to feed first
-        for seq, _ in rows:
-            ids, slot = seq.tokens, seq.slot
-            fed = self.fed[slot]
-            known = fed[1] if fed is not None and fed[0] == seq.id else 0
-            # Positions 0 .. len - 2 are computed: each entry p reads the token at p + 1.
-            self.lengths[slot] = known
-            if len(ids) - 1 - known > width:
-                behind[slot] = ids[known + 1 : -1]
-                known = len(ids) - 2
-            counts[slot] = len(ids) - 1 - known
-            tokens[slot, : counts[slot]] = ids[known + 1 :]
-        self._feed(behind)
+    def _pending(self, seq: SequenceState) -> tuple[int, list[int]]:
+        """Positions 0 .. len - 2 are computed; the row holds the true entries up to its last
+        proposal (the chained ones after them are never kept)."""
+        fed, ids = self.fed[seq.slot], seq.tokens  # (sequence id, true entries)
+        known = fed[1] if fed is not None and fed[0] == seq.id else 0
+        return known, ids[known + 1 :]
+
+    def _append(self, tokens: np.ndarray, counts: np.ndarray) -> None:
+        self.cache = _append_head(
+            self.program, self.target_params, self.params, self.cache,
+            self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
+        )  # fmt: skip
+
+    def _draft(self, tokens: np.ndarray, counts: np.ndarray) -> jax.Array:
         drafts, self.cache = _propose_head(
             self.program, self.target_params, self.params, self.cache,
             self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
             self.k,
         )  # fmt: skip
-        drafts = np.asarray(drafts)
-        for seq, room in rows:
-            slot, count = seq.slot, len(seq.tokens)
-            seq.drafts = drafts[slot, :room].tolist()
-            # True entries up to the last computed position; the chain's K - 1 after them.
-            self.fed[slot] = (seq.id, count - 1)
-            self.lengths[slot] = count - 1 + self.k - 1
+        return drafts
 
-    def _feed(self, behind: dict[int, list[int]]) -> None:
-        """Feeds each slot's missing entries (their next tokens), ``chunk`` per call."""
-        for tokens, counts in _chunks(behind, self.lengths.shape[0], self.chunk):
-            self.cache = _append_head(
-                self.program, self.target_params, self.params, self.cache,
-                self.executor.hidden_rows, upload(tokens), upload(counts), upload(self.lengths),
-            )  # fmt: skip
-            self.lengths += counts
-
-    def warm(self) -> None:
-        """Compiles and runs both programs once on rows out of use."""
-        slots = self.lengths.shape[0]
-        self._feed({0: [0]})
-        _, self.cache = _propose_head(
-            self.program, self.target_params, self.params, self.cache,
-            self.executor.hidden_rows, upload(np.zeros((slots, self.k + 1), np.int32)),
-            upload(np.zeros((slots,), np.int32)), upload(self.lengths), self.k,
-        )  # fmt: skip
-        self.lengths[:] = 0
-        self.fed = [None] * slots
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
+        count = len(seq.tokens)
+        self.fed[seq.slot] = (seq.id, count - 1)
+        self.lengths[seq.slot] = count - 1 + self.k - 1
