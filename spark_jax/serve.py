@@ -3,14 +3,17 @@
 With no ``--model`` it serves the embedded SmolLM2-135M-Instruct (as ``spark_jax.generate``
 does); ``--model`` also takes an HF model directory or a ``.gguf`` file, converted once into
 the cache (``spark_jax.model_dir``). ``--lora-modules NAME=PEFT_DIR`` (repeatable) serves
-PEFT adapters as models of their own. The engine compiles every step shape before the server
-starts listening (``--skip-warmup`` compiles on first use instead). Routes and errors:
-``spark_jax.serving.server``.
+PEFT adapters as models of their own. ``--speculative-config JSON`` (vLLM's flag) speculates
+inside the engine, e.g. ``'{"method": "ngram", "num_speculative_tokens": 4}'`` (the keys:
+``spark_jax.serving.speculation``; a draft model or head is given by its path). The engine
+compiles every step shape before the server starts listening (``--skip-warmup`` compiles on
+first use instead). Routes and errors: ``spark_jax.serving.server``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -41,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=PEFT_DIR",
         help="LoRA adapters, each served under its NAME",
     )
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}',
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
     add_tensor_parallel_argument(p)
@@ -51,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
         help="directory of XLA's persistent compilation cache ('' turns it off)",
     )
     return p
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object (its keys are checked by the engine)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg}): {text!r}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return config
 
 
 def _adapters(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, str]:
@@ -82,6 +101,8 @@ def build_engine(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[An
         if model.config.is_encoder_decoder:
             raise ValueError("--max-num-batched-tokens applies to decoder-only models.")
         kwargs["max_batch_tokens"] = args.max_num_batched_tokens
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config
     engine = sj.Engine(model, **kwargs)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     return engine, str(name)

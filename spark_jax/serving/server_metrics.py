@@ -17,7 +17,8 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 
 
 
 class ServerMetrics:
-    """Requests running / waiting, tokens in / out, TTFT and TPOT, KV pages."""
+    """Requests running / waiting, tokens in / out, TTFT and TPOT, KV pages; the prefix
+    cache and speculative drafts where the engine has them."""
 
     def __init__(self, engine: Any):
         self.registry = CollectorRegistry()
@@ -39,6 +40,11 @@ class ServerMetrics:
                   lambda: engine.stats.prefix_cache_hit_rate)  # fmt: skip
             gauge("spark_jax:kv_pages_cached", "KV-cache pages held by the prefix cache.",
                   lambda: engine.stats.pages_cached)  # fmt: skip
+        if engine.engine.speculative is not None:
+            gauge("spark_jax:spec_decode_num_draft_tokens", "Speculative drafts verified.",
+                  lambda: engine.stats.num_draft_tokens)  # fmt: skip
+            gauge("spark_jax:spec_decode_num_accepted_tokens", "Speculative drafts kept.",
+                  lambda: engine.stats.num_accepted_tokens)  # fmt: skip
         self.prompt_tokens = Counter(
             "spark_jax:prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )

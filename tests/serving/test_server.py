@@ -462,12 +462,15 @@ def test_models_lists_the_adapters_and_a_mixed_burst_equals_the_library(client, 
 
 
 def test_the_serve_cli_converts_a_gguf_and_answers_like_the_library(gguf_file, model, tmp_path):
+    """The server speculates (``--speculative-config``, vLLM's flag) and still answers with
+    the library's greedy tokens; /metrics then counts its drafts."""
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", SPARK_JAX_CACHE=str(tmp_path))
     with socket.socket() as s:  # a free port: bind one, then free it for the server
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "spark_jax.serve", "--model", str(gguf_file), "--port", str(port)]
     argv += ["--skip-warmup", "--max-num-seqs", "2", "--compilation-cache", ""]
+    argv += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -486,9 +489,21 @@ def test_the_serve_cli_converts_a_gguf_and_answers_like_the_library(gguf_file, m
         ref = alone(model, model.tokenizer.encode("cli"), max_tokens=5, **GREEDY)
         assert r["choices"][0]["token_ids"] == ref.output_tokens
         assert r["model"] == str(gguf_file)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert "spark_jax:spec_decode_num_draft_tokens" in metrics
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_speculative_config_that_is_not_a_json_object_is_refused(capsys):
+    from spark_jax.serve import main
+
+    for text, says in (("{method: ngram}", "not JSON"), ('["ngram"]', "a JSON object")):
+        with pytest.raises(SystemExit) as stop:
+            main(["--speculative-config", text])
+        assert stop.value.code == 2
+        assert f"--speculative-config: {says}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", ["spark_jax.serve", "spark_jax.generate"])
