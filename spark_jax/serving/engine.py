@@ -31,11 +31,10 @@ Speculative decoding (a decoder-only engine built with ``speculative_config``, v
 before each step the engine drafts up to K tokens for every speculative decoding row, by
 prompt lookup over the request's own tokens or with a draft model, the target less some
 layers or a draft head over the target's hidden states, each keeping a cache row per slot
-(``spark_jax.serving.drafting``); the scheduler
-reserves their keys' pages; the step verifies every decode row at once (K + 1 positions
-each; a row with no drafts decodes in it as usual) and each row keeps its own number of
-drafts by the speculative rule (greedy:
-those equal to the argmax, so the output is the engine's without speculation; sampled: the
+(``spark_jax.serving.drafting``); the scheduler reserves their keys' pages; the step
+verifies every decode row at once (K + 1 positions each; a row with no drafts decodes in it
+as usual) and each row keeps its own number of drafts by the speculative rule (greedy: those
+equal to the argmax, so the output is the engine's without speculation; sampled: the
 rejection rule, so it follows the same distribution). Rejected drafts are rolled back by
 lowering the row's length and giving back the pages past it. Every request speculates but
 those that opt out (``add_request(..., speculative=False)``) and guided ones (a draft's token
@@ -692,9 +691,9 @@ class Engine:
 
     def _draft(self) -> None:
         """Each speculative decoding row's drafts for this step (``spark_jax.serving.drafting``:
-        prompt lookup or a draft model, from the row's tokens, all read: see ``_step``), as
-        many as its output has room for after the target's token; none in a step with a
-        guided decoding row (the verify step applies no token masks)."""
+        prompt lookup, a draft model or a head, from the row's tokens, all read: see
+        ``_step``), as many as its output has room for after the target's token; none in a
+        step with a guided decoding row (the verify step applies no token masks)."""
         if self._drafter is None:
             return
         rows = [s for s in self.scheduler.running() if not s.prefilling]
