@@ -31,7 +31,7 @@ a fixed width).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -124,14 +124,12 @@ class _DeviceRows:
 
     width: int  # inputs a proposal call takes per row
 
-    def __init__(self, num_slots: int, k: int, chunk: int, cache: Any, executor: PagedExecutor):
-        self.executor = executor  # its verify step reads the proposals (``slot_drafts``)
+    def __init__(self, num_slots: int, k: int, chunk: int, cache: Any):
         self.k = k
         self.chunk = chunk  # the width of the calls that feed a row what it is missing
         self.cache = cache
         self.lengths = np.zeros((num_slots,), np.int32)
         self.fed: list[Any] = [None] * num_slots  # per slot: what its row holds (a subclass's)
-        self._unread: jax.Array | None = None  # the last proposal, until the host reads it
 
     def _pending(self, seq: SequenceState) -> tuple[int, list[int]]:
         """(the inputs of ``seq`` its row holds, the inputs still to feed)."""
@@ -145,21 +143,15 @@ class _DeviceRows:
         """Feeds each row's pending inputs ``tokens[S, width]``; its k greedy drafts."""
         raise NotImplementedError
 
-    def _record(self, seq: SequenceState) -> None:
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
         """Notes what a proposal left in ``seq``'s row (and its length on the device)."""
         raise NotImplementedError
-
-    def _read_back(self, drafts: np.ndarray) -> None:
-        """The last proposal's drafts [S, K], read once the steps that verified them ran."""
 
     def propose(self, rows: Sequence[tuple[SequenceState, int]]) -> None:
         """Sets each row's drafts (at most its room): one device call (after the calls that
         feed rows what they miss), then one read."""
         if not rows:
             return
-        if self._unread is not None:  # verified by now: the read waits for nothing
-            self._read_back(np.asarray(self._unread))
-            self._unread = None
         slots = self.lengths.shape[0]
         tokens = np.zeros((slots, self.width), np.int32)
         counts = np.zeros((slots,), np.int32)
@@ -174,13 +166,10 @@ class _DeviceRows:
         for chunk, fed in _chunks(behind, slots, self.chunk):
             self._append(chunk, fed)
             self.lengths += fed
-        # The drafts stay on the device, where the verify step gathers them by slot: the
-        # host only counts them (each row's room; the scheduler may cut them).
-        drafts = commit(self._draft(tokens, counts), self.executor.mesh)  # the target's devices
-        self._unread = self.executor.slot_drafts = drafts
+        drafts = np.asarray(self._draft(tokens, counts))
         for seq, room in rows:
-            seq.drafts = [0] * room
-            self._record(seq)
+            seq.drafts = drafts[seq.slot, :room].tolist()
+            self._record(seq, drafts[seq.slot])
 
     def warm(self) -> None:
         """Compiles and runs both programs once on rows out of use."""
@@ -189,7 +178,6 @@ class _DeviceRows:
         self._draft(np.zeros((slots, self.width), np.int32), np.zeros((slots,), np.int32))
         self.lengths[:] = 0
         self.fed = [None] * slots
-        self._unread = None
 
 
 @dataclass
@@ -198,7 +186,7 @@ class _Fed:
 
     seq_id: int
     count: int
-    drafts: list[int] | None = None  # None until the host reads the proposal
+    drafts: list[int] = field(default_factory=list)
 
 
 class ModelRows(_DeviceRows):
@@ -209,8 +197,8 @@ class ModelRows(_DeviceRows):
     width = 2
 
     def __init__(
-        self, drafter: DraftModelDrafter, vocab_size: int, executor: PagedExecutor, max_len: int,
-        k: int, chunk: int,
+        self, drafter: DraftModelDrafter, vocab_size: int, num_slots: int, max_len: int, k: int,
+        chunk: int,
     ):  # fmt: skip
         draft = drafter.model
         if draft.config.vocab_size != vocab_size:
@@ -219,8 +207,8 @@ class ModelRows(_DeviceRows):
                 f"target's {vocab_size}; a draft model must share the target's tokenizer."
             )
         # K - 1 drafts past the longest sequence; writes past a row's end are dropped.
-        cache = commit_cache(draft.runner.init_state(executor.num_slots, max_len + k), draft.mesh)
-        super().__init__(executor.num_slots, k, chunk, cache, executor)
+        cache = commit_cache(draft.runner.init_state(num_slots, max_len + k), draft.mesh)
+        super().__init__(num_slots, k, chunk, cache)
         self.program = drafter.program
         self.params = draft.runner.params
 
@@ -251,17 +239,12 @@ class ModelRows(_DeviceRows):
         )  # fmt: skip
         return drafts
 
-    def _record(self, seq: SequenceState) -> None:
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
         # The row now holds the sequence's tokens and K - 1 drafts (the last one the target
-        # scores is never fed): their values once read (``_read_back``).
+        # scores is never fed).
         count = len(seq.tokens)
-        self.fed[seq.slot] = _Fed(seq.id, count)
+        self.fed[seq.slot] = _Fed(seq.id, count, drafts[: self.k - 1].tolist())
         self.lengths[seq.slot] = count + self.k - 1
-
-    def _read_back(self, drafts: np.ndarray) -> None:
-        for slot, fed in enumerate(self.fed):
-            if fed is not None and fed.drafts is None:
-                fed.drafts = drafts[slot, : self.k - 1].tolist()
 
 
 def _gather_hidden(hidden_rows: jax.Array, starts: jax.Array, width: int) -> jax.Array:
@@ -313,10 +296,11 @@ class HeadRows(_DeviceRows):
         num_slots = executor.num_slots
         cache = draft_head.init_cache(self.program.config, num_slots, max_len + k + 1, target.dtype)
         # Beside the target's hidden states (on its devices).
-        super().__init__(num_slots, k, chunk, commit(cache, executor.mesh), executor)
+        super().__init__(num_slots, k, chunk, commit(cache, executor.mesh))
         self.width = k + 1
         self.params = drafter.head_params
         self.target_params = target.runner.params
+        self.executor = executor
 
     def _pending(self, seq: SequenceState) -> tuple[int, list[int]]:
         """Positions 0 .. len - 2 are computed; the row holds the true entries up to its last
@@ -339,7 +323,7 @@ class HeadRows(_DeviceRows):
         )  # fmt: skip
         return drafts
 
-    def _record(self, seq: SequenceState) -> None:
+    def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
         count = len(seq.tokens)
         self.fed[seq.slot] = (seq.id, count - 1)
         self.lengths[seq.slot] = count - 1 + self.k - 1

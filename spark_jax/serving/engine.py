@@ -369,7 +369,6 @@ class Engine:
             0 if self.speculative is None else self.speculative.num_speculative_tokens,
             num_scheduler_steps,
             keep_hidden=self.speculative is not None and self.speculative.method == "head",
-            device_drafts=self.speculative is not None and self.speculative.method != "ngram",
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",

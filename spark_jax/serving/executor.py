@@ -412,15 +412,6 @@ def _verify_inputs(last_tokens: jax.Array, row_slots: jax.Array, drafts: jax.Arr
     return jnp.concatenate([_gather_tokens(last_tokens, row_slots)[:, None], drafts], axis=1)
 
 
-@jax.jit
-def _slot_drafts(slot_drafts: jax.Array, row_slots: jax.Array, num_drafts: jax.Array) -> jax.Array:
-    """Each verify row's drafts [b, K] from its slot's row of ``slot_drafts`` [S, K] (a device
-    drafter's proposal), its first ``num_drafts[b]`` kept and zeros after."""
-    drafts = jnp.take(slot_drafts, row_slots, axis=0, mode="clip")
-    keep = jnp.arange(drafts.shape[1])[None, :] < num_drafts[:, None]
-    return jnp.where(keep, drafts, 0)
-
-
 class SlotPicker:
     """The generation core's sampling (``step.Sampling``) of a step's rows, with each slot's
     state on the device: token counts (penalties), prompt mask, sampling settings (rebuilt
@@ -602,10 +593,9 @@ class SlotPicker:
         )
         return VerifyPicks(record, seqs)
 
-    def warm_judge(self, logits: jax.Array, drafts: jax.Array | None = None) -> None:
+    def warm_judge(self, logits: jax.Array) -> None:
         """Runs the verdict programs (with and without logprobs) on a verify step's logits
-        [b, K + 1, V] of no row; ``drafts`` [b, K]: made as a run makes them (a device
-        drafter's, gathered on the device), else uploaded."""
+        [b, K + 1, V] of no row."""
         b, t = logits.shape[:2]
         host = (
             np.zeros((b, t - 1), np.int32),
@@ -614,14 +604,12 @@ class SlotPicker:
             np.zeros((b,), bool),
             np.zeros((b,), np.int32),
         )
-        rows = jax.device_put(host)
-        if drafts is not None:
-            rows = (drafts, *rows[1:])
         for want in (False, True):
             rule = Speculation(t - 1, None, greedy=False, with_top=want)
             self.counts, self.last_tokens, _ = _judge_rows(
-                rule, logits, *rows, self.by_slot(), self.counts, self.last_tokens
-            )
+                rule, logits, *jax.device_put(host), self.by_slot(), self.counts,
+                self.last_tokens,
+            )  # fmt: skip
 
     def _allowed(self, seqs: list[SequenceState | None]) -> jax.Array:
         """The rows' token masks: their guides', all ones for free rows (one stored array per
@@ -699,7 +687,6 @@ class PagedExecutor:
         num_speculative_tokens: int = 0,
         num_scheduler_steps: int = 1,
         keep_hidden: bool = False,
-        device_drafts: bool = False,
     ):
         c = model.config
         self.runner = model.runner
@@ -736,14 +723,6 @@ class PagedExecutor:
             num_slots, c.vocab_size, model.eos_token_ids, max_admitted,
             max_pages_per_seq * page_size, self.mesh,
         )  # fmt: skip
-        # ``device_drafts`` (a device drafter's engine): a verify step reads each row's drafts
-        # from its slot's row here (the drafter's last proposal, never read by the host; the
-        # rows' ``drafts`` then only count them).
-        self.slot_drafts: jax.Array | None = None
-        if device_drafts:
-            self.slot_drafts = commit(
-                jnp.zeros((num_slots, num_speculative_tokens), jnp.int32), self.mesh
-            )
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
@@ -906,8 +885,6 @@ class PagedExecutor:
             host
         )
         state = self.state.with_block_table(table).with_lengths(lengths)
-        if self.slot_drafts is not None:
-            drafts = _slot_drafts(self.slot_drafts, row_slots, num_drafts)
         tokens = _verify_inputs(self.sampler.last_tokens, row_slots, drafts)
         out, self.state = self.runner.verify(
             state, tokens, real, **self._lora(adapters), **self._hidden()
@@ -1003,9 +980,7 @@ class PagedExecutor:
             kwargs = self._lora(_warm_adapters(b, step.adapted)) | self._hidden()
             slots = upload(np.zeros((b,), np.int32))
             if step.kind == "verify":  # its inputs as a run makes them
-                drafts = self.warm_drafts(b)
-                if drafts is None:
-                    drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
+                drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
                 return (state, tokens, upload(np.zeros((b,), np.int32))), kwargs
             # The decode's input tokens as a run gathers them.
@@ -1017,14 +992,6 @@ class PagedExecutor:
         lora = self._lora(_warm_adapters(rows, step.adapted))
         kwargs = {"continuing": True, "min_len": chunk} | lora | self._hidden()
         return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
-
-    def warm_drafts(self, rows: int) -> jax.Array | None:
-        """A verify step's drafts [rows, K] as a device drafter's run gathers them (None:
-        the host uploads them)."""
-        if self.slot_drafts is None:
-            return None
-        nothing = upload(np.zeros((rows,), np.int32))
-        return _slot_drafts(self.slot_drafts, nothing, nothing)
 
     def warm_keep(self, out: Any) -> jax.Array:
         """A warm-up step's logits, its hidden states stored nowhere (slots out of range) as
@@ -1072,7 +1039,7 @@ def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmSte
         shapes[logits.shape[0]] = logits
     sampler.warm(list(shapes.values()))
     for logits in verified.values():
-        sampler.warm_judge(logits, executor.warm_drafts(logits.shape[0]))
+        sampler.warm_judge(logits)
 
 
 class DenseExecutor:

@@ -115,4 +115,4 @@ class SpeculativeConfig:
         if self.method == "head":
             return HeadRows(drafter, model, executor, max_model_len, k, chunk)
         vocab = model.config.vocab_size
-        return ModelRows(drafter, vocab, executor, max_model_len, k, chunk)
+        return ModelRows(drafter, vocab, executor.num_slots, max_model_len, k, chunk)
