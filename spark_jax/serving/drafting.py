@@ -22,10 +22,11 @@ exactly, as it does for prompt lookup's drafts.
 
 A draft model's row follows its sequence without being told what the verdict was: the host
 remembers what it fed each row (the tokens up to the row's last, then K - 1 drafts), and
-before the next proposal it keeps the part that still agrees with the sequence's tokens;
-what is missing is fed first (one token after a step that kept every draft, the whole
-sequence for a row the slot's new occupant or a preempted sequence now holds, in chunks of
-a fixed width).
+before the next proposal it keeps the part that still agrees with the sequence's tokens. A
+token or two missing are fed by the proposal itself (the last token, and the one before
+after a step that kept every draft); more (the whole sequence, for a row that a new
+occupant of the slot or a preempted sequence now holds) are fed first, in chunks of a fixed
+width. A head's row follows its sequence the same way, by the positions it was fed.
 """
 
 from __future__ import annotations
