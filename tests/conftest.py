@@ -34,6 +34,49 @@ from helpers import HF_BUILDERS, model_from_hf, smollm2_gguf_path  # noqa: E402
 
 import spark_jax as sj  # noqa: E402
 
+# The slowest files of the suite (seconds each on two CI cores), longest first. xdist's loadfile
+# hands files to its two workers in collection order, so these start first and the short files
+# even out the end instead of one long file running alone while the other core idles.
+SLOWEST_FIRST = (
+    "notebooks/03_lora_training.ipynb",
+    "tests/serving/test_engine.py",
+    "tests/models/test_quant_quality.py",
+    "tests/generation/test_speculative.py",
+    "tests/serving/test_engine_speculative.py",
+    "tests/test_tensor_parallel.py",
+    "tests/kernels/test_flash_attention_kernel.py",
+    "tests/test_benchmarks.py",
+    "tests/generation/test_beam.py",
+    "tests/models/test_draft_head.py",
+    "tests/serving/test_engine_nllb.py",
+    "tests/generation/test_guided.py",
+    "tests/models/test_lora_nllb.py",
+    "tests/serving/test_server.py",
+    "tests/models/test_lora.py",
+    "notebooks/04_speculative_decoding.ipynb",
+    "tests/conversion/test_gguf.py",
+    "tests/models/test_forward_research.py",
+    "tests/test_cli.py",
+    "tests/kernels/test_one_query_kernel.py",
+    "tests/generation/test_generate.py",
+    "tests/ops/test_attention.py",
+    "notebooks/01_quickstart.ipynb",
+    "tests/kernels/test_paged_attention_kernel.py",
+    "notebooks/06_translation.ipynb",
+    "notebooks/02_inside_the_model.ipynb",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest files first (``SLOWEST_FIRST``), the rest in collection order after them;
+    pyproject.toml turns off xdist's own reordering (by number of tests) so this order holds."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank))
+
+    items.sort(key=key)
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The process that made the run's compilation cache removes it."""
