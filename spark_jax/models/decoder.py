@@ -146,9 +146,8 @@ class SelfAttention(nn.Module):
     def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
         c = self.config
         b, t, _ = x.shape
-        qkv = Linear(c.qkv_size, use_bias=c.qkv_bias, dtype=self.dtype, name="qkv_proj")(
-            x, scope(lora, "qkv_proj")
-        )
+        linear = partial(Linear, dtype=self.dtype, options=self.options)
+        qkv = linear(c.qkv_size, use_bias=c.qkv_bias, name="qkv_proj")(x, scope(lora, "qkv_proj"))
         q, k, v = split_fused(qkv, (c.q_size, c.kv_size, c.kv_size), c.tensor_parallel)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -169,9 +168,7 @@ class SelfAttention(nn.Module):
             out = attention(q, k, v, mask, window, options=self.options)
         else:
             out = cache_attention(q, k_cache, v_cache, slots, mask, window, self.options)
-        out = Linear(c.hidden_size, dtype=self.dtype, name="o_proj")(
-            out.reshape(b, t, -1), scope(lora, "o_proj")
-        )
+        out = linear(c.hidden_size, name="o_proj")(out.reshape(b, t, -1), scope(lora, "o_proj"))
         return out, k_cache, v_cache
 
 
@@ -191,7 +188,7 @@ class DecoderLayer(nn.Module):
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
-        c_mlp = (c.hidden_size, c.intermediate_size, self.dtype, c.tensor_parallel)
+        c_mlp = (c.hidden_size, c.intermediate_size, self.dtype, c.tensor_parallel, self.options)
         x = x + GatedMLP(*c_mlp, name="mlp")(h, scope(lora, "mlp"))
         return x, k_cache, v_cache
 
@@ -211,7 +208,9 @@ class DecoderLM(nn.Module):
         self.layers = [DecoderLayer(c, i, self.dtype, self.options) for i in range(c.num_layers)]
         self.final_norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32)
+            self.lm_head = Linear(
+                c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32, options=self.options
+            )
 
     def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None):
         angles = rotary_angles(

@@ -6,6 +6,7 @@ accumulation in matmuls and fp32 norms and rotary arithmetic.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -33,6 +34,7 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Dtype = jnp.float32
     out_dtype: Dtype | None = None  # fp32 for logits; default: the parameter dtype
+    options: KernelOptions = KernelOptions()  # the quantized matmul's kernel choice
 
     @nn.compact
     def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
@@ -50,7 +52,8 @@ class Linear(nn.Module):
         # and converting after costs a kernel per projection: measured on the H200 (Llama-3-8B
         # shapes, bs=1) 4.87 -> 4.45 ms per decode step.
         if self.has_variable("params", "kernel_scale"):
-            y = quantized_matmul(x, kernel, self.get_variable("params", "kernel_scale"), out_dtype)
+            scale = self.get_variable("params", "kernel_scale")
+            y = quantized_matmul(x, kernel, scale, out_dtype, self.options)
         else:
             y = jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
         h = None  # x a, from a fused kernel's A columns
@@ -169,18 +172,18 @@ class GatedMLP(nn.Module):
     intermediate_size: int
     dtype: Dtype = jnp.float32
     shards: int = 1
+    options: KernelOptions = KernelOptions()
 
     @nn.compact
     def __call__(self, x: jax.Array, lora: LoraBatch | None = None) -> jax.Array:
-        gate_up = Linear(2 * self.intermediate_size, dtype=self.dtype, name="gate_up_proj")(
+        linear = functools.partial(Linear, dtype=self.dtype, options=self.options)
+        gate_up = linear(2 * self.intermediate_size, name="gate_up_proj")(
             x, scope(lora, "gate_up_proj")
         )
         f = self.intermediate_size
         gate, up = split_fused(gate_up, (f, f), self.shards)
         hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(self.dtype)
-        return Linear(self.hidden_size, dtype=self.dtype, name="down_proj")(
-            hidden, scope(lora, "down_proj")
-        )
+        return linear(self.hidden_size, name="down_proj")(hidden, scope(lora, "down_proj"))
 
 
 def sinusoidal_table(num_positions: int, dim: int, padding_idx: int | None) -> np.ndarray:

@@ -9,16 +9,25 @@ largest finite value (448 for E4M3, 127 for int8).
 
 ``quantized_matmul`` computes ``x @ (q * scale)`` with fp32 accumulation. One scale per output
 channel factors out of the sum, so the dot reads ``q`` (converted to x's dtype, which holds
-every E4M3 and int8 value exactly) and the scale multiplies the fp32 output: XLA can fuse the
-convert into the GEMM's operand read, so a decode step reads one byte per weight. Group scales
-vary along the summed axis and cannot factor out; the kernel is dequantized per group first
-(again a producer XLA may fuse into the GEMM). The CPU runs the same expressions.
+every E4M3 and int8 value exactly) and the scale multiplies the fp32 output. On the GPU a
+matmul of few rows runs our kernel (``pallas_kernels/quantized_matmul.py``: the same math,
+split along the summed axis so the narrow bytes are read at the copy ceiling); elsewhere XLA's
+GEMM with the convert fused into its operand read. Group scales vary along the summed axis and
+cannot factor out; the kernel is dequantized per group first (again a producer XLA may fuse
+into the GEMM). The CPU runs the same expressions.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quantized_matmul import quantized_matmul as quantized_matmul_kernel
+from pallas_kernels.quantized_matmul import (
+    quantized_matmul_applies,
+    quantized_matmul_reference,
+)
+from spark_jax.ops.options import KernelOptions
 
 # The narrow type of each scheme and its largest finite value. E4M3 "fn" has no infinity: a
 # value past 448 converts to NaN, so scaled weights are clipped first.
@@ -61,12 +70,22 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32) -
 
 
 def quantized_matmul(
-    x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype: jnp.dtype
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    out_dtype: jnp.dtype,
+    options: KernelOptions = KernelOptions(),
 ) -> jax.Array:
     """``x [..., D] @ (q * scale)`` -> ``[..., F]`` in ``out_dtype``, accumulated in fp32."""
     if scale.ndim == 1:  # per output channel: the scale factors out of the dot
-        y = jnp.einsum("...d,df->...f", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * scale.astype(jnp.float32)).astype(out_dtype)
+        if (
+            options.pallas_quantized_matmul
+            and options.implementation != "xla"
+            and jax.default_backend() == "gpu"
+            and quantized_matmul_applies(x, q, scale, max_rows=options.quantized_matmul_max_rows)
+        ):
+            return quantized_matmul_kernel(x, q, scale, out_dtype)
+        return quantized_matmul_reference(x, q, scale, out_dtype)
     kernel = dequantize(q, scale, x.dtype)
     return jnp.einsum("...d,df->...f", x, kernel, preferred_element_type=out_dtype)
 
