@@ -10,10 +10,11 @@ the GPU (``one_query_picked``); our flash kernel a prefill on Hopper
 writes the step's keys first (in the one-query kernel itself where it runs) and can read rows
 through a row table (beam search).
 
-An fp8 cache (``kv_cache.is_narrow``) is read out dequantized by every path: no kernel of ours
-or cuDNN's reads E4M3 keys, so the dispatch falls back to XLA, where the dequantization is a
-producer fused into the attention's reads. A decode step on the GPU takes XLA's split-K form
-there (it reads K and V once in place; the reference's batched dots copy them transposed).
+An fp8 cache (``kv_cache.is_narrow``): a decode step can read the E4M3 pages in place with our
+Triton kernel (``scaled_paged_picked``: ``KernelOptions.pallas_fp8_cache`` on the GPU, or
+``implementation="pallas"``); every other path reads the rows out dequantized, XLA fusing the
+dequantization into the attention's reads; a decode step on the GPU then takes XLA's split-K
+form (it reads K and V once in place; the reference's batched dots copy them transposed).
 
 The options are plain arguments of every entry point, static under jit: a model passes its own
 to each step, so two models with different options trace and compile their own programs.
@@ -32,7 +33,15 @@ from spark_jax.ops.cudnn import (
     cudnn_paged_applies,
     cudnn_paged_decode_attention,
 )
-from spark_jax.ops.kv_cache import PagedLayer, is_narrow, read_rows, read_through, write_kv
+from spark_jax.ops.kv_cache import (
+    PagedLayer,
+    ScaledLayer,
+    is_narrow,
+    narrow_pages,
+    read_rows,
+    read_through,
+    write_kv,
+)
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, reference_attention, split_kv_attention
 
@@ -112,6 +121,8 @@ def cache_attention(
     """
     implementation = options.implementation
     if is_narrow(k_cache):
+        if scaled_paged_picked(q, k_cache, sliding_window, options):
+            return scaled_paged_attention(q, k_cache, v_cache, slots, mask)
         keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
         return narrow_cache_attention(q, keys, values, mask, sliding_window, options)
     paged = isinstance(k_cache, PagedLayer)
@@ -128,6 +139,46 @@ def cache_attention(
 
 
 _SPLIT_CHUNK = 256  # keys per chunk of XLA's split-K form
+
+
+def scaled_paged_picked(
+    q: jax.Array,
+    k_cache: ScaledLayer | PagedLayer,
+    sliding_window: int | None,
+    options: KernelOptions,
+) -> bool:
+    """Our kernel reads an fp8 cache in place: a one-token step without a window, on the GPU
+    under ``options.pallas_fp8_cache``, and wherever ``implementation="pallas"`` (interpreted
+    off the GPU)."""
+    from pallas_kernels.scaled_paged_attention import scaled_paged_attention_applies
+
+    wanted = options.implementation == "pallas" or (
+        options.implementation is None
+        and options.pallas_fp8_cache
+        and jax.default_backend() == "gpu"
+    )
+    if not wanted or sliding_window is not None:
+        return False
+    view = narrow_pages(k_cache, None)
+    return view is not None and scaled_paged_attention_applies(q, view[0])
+
+
+def scaled_paged_attention(
+    q: jax.Array,
+    k_cache: ScaledLayer | PagedLayer,
+    v_cache: ScaledLayer | PagedLayer,
+    slots: jax.Array | None,
+    mask: AttentionMask,
+) -> jax.Array:
+    """q [B,1,N,H] over the fp8 rows ``slots`` read in place by our kernel (interpreted off
+    the GPU)."""
+    from pallas_kernels.scaled_paged_attention import scaled_paged_attention as kernel
+
+    k_pages, table, k_scale = narrow_pages(k_cache, slots)
+    v_pages, _, v_scale = narrow_pages(v_cache, slots)
+    lengths = _one_query_lengths(mask)
+    interpret = jax.default_backend() != "gpu"
+    return kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, interpret=interpret)
 
 
 def narrow_cache_attention(

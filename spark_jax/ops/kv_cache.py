@@ -196,6 +196,28 @@ def read_rows(cache_layer: jax.Array, slots: jax.Array | None) -> jax.Array:
     return cache_layer if slots is None else cache_layer[slots]
 
 
+def narrow_pages(
+    cache_layer: ScaledLayer | PagedLayer, slots: jax.Array | None, dense_page: int = 64
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """An E4M3 layer as (pages [P, L, K, H], block table int32[B, W], scale [K]) for a kernel
+    that reads pages in place: a paged layer's own, or a dense one's rows cut into pages of
+    the largest power of two up to ``dense_page`` (at least 16) that divides its length (a
+    free reshape; None where there is none)."""
+    if isinstance(cache_layer, PagedLayer):
+        return cache_layer.pages, cache_layer.table_rows(slots), cache_layer.scale
+    num_slots, length = cache_layer.data.shape[:2]
+    page = dense_page
+    while page >= 16 and length % page:
+        page //= 2
+    if page < 16:
+        return None
+    per_row = length // page
+    pages = cache_layer.data.reshape(num_slots * per_row, page, *cache_layer.data.shape[2:])
+    rows = jnp.arange(num_slots) if slots is None else slots
+    table = rows[:, None] * per_row + jnp.arange(per_row)[None, :]
+    return pages, table.astype(jnp.int32), cache_layer.scale
+
+
 def is_narrow(cache_layer: jax.Array | ScaledLayer | PagedLayer) -> bool:
     """True for a layer held as E4M3 with scales (reads dequantize it)."""
     if isinstance(cache_layer, PagedLayer):

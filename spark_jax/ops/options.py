@@ -53,6 +53,12 @@ class KernelOptions:
     ~1.2 TB/s at one row. Llama-3-8B shapes, bs=1: fp8 274 tok/s with it against 203 without
     (bf16 224); at 64 rows XLA's GEMM was the faster (fp8 7 360 against 6 610 tok/s), so it
     keeps more than 16 rows. ``implementation="xla"`` keeps the jnp reference too.
+
+    ``pallas_fp8_cache``: a decode step over an fp8 K/V cache reads the E4M3 pages in place
+    with our kernel on the GPU (``pallas_kernels/scaled_paged_attention.py``) instead of XLA's
+    fallback (rows dequantized, then its split-K form: 0.12x the bf16 step at 64 rows x 4,096
+    keys on the H200). Off until the kernel is measured on the GPU; it is checked against its
+    reference in the interpreter.
     """
 
     implementation: str | None = None
@@ -63,6 +69,7 @@ class KernelOptions:
     paged_walk_consumers: int = 1
     pallas_layer_norm: bool = True
     pallas_quantized_matmul: bool = True
+    pallas_fp8_cache: bool = False
     quantized_matmul_max_rows: int = 16
 
     def __post_init__(self) -> None:
