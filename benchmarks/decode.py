@@ -120,10 +120,10 @@ def run(
     if tensor_parallel == 1:
         model = sj.Model(config, params)
     else:  # imported here: a tree from before tensor parallelism runs ``--against``
-        from spark_jax.model import TENSOR_PARALLEL_OPTIONS, shard_params
+        from spark_jax.model import shard_params
 
         config, params, mesh = shard_params(config, params, tensor_parallel)
-        model = sj.Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)
+        model = sj.Model(config, params, mesh=mesh)
         report.figures["tensor_parallel"] = tensor_parallel
     sampling = sj.SamplingParams(temperature=0.0, max_tokens=plan.new_tokens, ignore_eos=True)
     prompt = random_prompts(config.vocab_size, 1, plan.bs1_prompt, seed=1)[0]

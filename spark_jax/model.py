@@ -75,6 +75,8 @@ class Model:
     mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
+        if self.mesh is not None and self.options.mesh is None:  # attention per shard
+            self.options = dataclasses.replace(self.options, mesh=self.mesh)
         self.slot_pool = SlotPool(self.max_num_seqs)
         self._lora_lock = threading.Lock()  # one adapter change at a time (each builds on the last)
         if self.runner is None:
@@ -339,9 +341,8 @@ def load(
     process's under ``jax.distributed``), one ``"tp"`` mesh axis: attention by heads, the MLP
     by FFN columns then rows, the embedding and LM head by vocab, K/V by KV heads (copied
     where fewer than N), each shard read from the checkpoint straight onto its device
-    (``load_sharded``). XLA inserts the all-reduces. Gap: our Pallas and cuDNN kernels do not
-    yet run per shard under ``shard_map``, so a sharded model's steps take XLA's reference
-    attention and LayerNorm (``KernelOptions(implementation="xla", pallas_layer_norm=False)``).
+    (``load_sharded``). XLA inserts the all-reduces; attention runs per shard under
+    ``shard_map`` through the usual dispatch (``KernelOptions.mesh``).
     """
     from spark_jax.checkpoint import PARAMS_DIR, restore_params
     from spark_jax.tokenizer import Tokenizer
@@ -361,11 +362,6 @@ def load(
         params = restore_params(path / PARAMS_DIR, dtype=dtype)
     else:
         config, params, mesh = load_sharded(path / PARAMS_DIR, config, tensor_parallel, dtype)
-        options = dataclasses.replace(
-            options,
-            implementation=TENSOR_PARALLEL_OPTIONS.implementation,
-            pallas_layer_norm=TENSOR_PARALLEL_OPTIONS.pallas_layer_norm,
-        )
     _check_quantized(path, config, params)
     gen_file = path / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -409,7 +405,7 @@ def shard_params(
 ) -> tuple[ModelConfig | NllbConfig, Any, Mesh]:
     """An in-memory params tree (random init, benchmarks) sharded as ``load_sharded`` shards
     a checkpoint: (the config laid out for ``tensor_parallel`` devices, the params, the mesh).
-    Build the model with ``Model(config, params, mesh=mesh, options=TENSOR_PARALLEL_OPTIONS)``."""
+    Build the model with ``Model(config, params, mesh=mesh)``."""
     from spark_jax.models import declare
     from spark_jax.ops.sharding import make_mesh
 
@@ -419,10 +415,6 @@ def shard_params(
     params = jax.device_put(params, plain.load_shardings(mesh))
     params = plain.shard_major(params, tensor_parallel, laid_out.shardings(mesh))
     return sharded_config, params, mesh
-
-
-# The kernels a tensor-parallel model's steps take (gap: ours do not run per shard yet).
-TENSOR_PARALLEL_OPTIONS = KernelOptions(implementation="xla", pallas_layer_norm=False)
 
 
 def _check_quantized(path: Path, config: Any, params: Any) -> None:

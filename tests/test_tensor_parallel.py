@@ -105,6 +105,15 @@ def test_speculative_decoding_at_tp_4_gives_the_greedy_tokens_of_one_device(repo
     assert "load the draft with tensor_parallel=4" in seen["other_layout_refused"]
 
 
+def test_our_kernels_run_per_shard_at_tp_4(report):
+    """The one-query and fp8-cache kernels (interpreted) under shard_map, each device its
+    heads: XLA's reference on one device, the output split by heads."""
+    seen = report["kernels"]
+    assert seen["one_query"] <= 1e-5, seen
+    assert seen["one_query_spec"] == "P(None, None, 'tp', None)", seen
+    assert seen["fp8_dense"] <= 2e-2 and seen["fp8_paged"] <= 2e-2, seen  # bf16 outputs
+
+
 @pytest.mark.parametrize("case", ["llama_tp4", "qwen2_tp8", "nllb_tp8"])
 def test_no_device_holds_a_full_copy_of_a_sharded_weight_while_loading(report, case):
     seen = report["loading"][case]

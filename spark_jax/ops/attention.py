@@ -24,8 +24,13 @@ Axes: B batch, T query length, S key length, N query heads, K kv heads, G = N / 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from spark_jax.ops.cudnn import (
     cudnn_decode_applies,
@@ -44,6 +49,44 @@ from spark_jax.ops.kv_cache import (
 )
 from spark_jax.ops.options import KernelOptions
 from spark_jax.ops.reference import AttentionMask, reference_attention, split_kv_attention
+from spark_jax.ops.sharding import TP_AXIS
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: with ``options.mesh`` the entry points below run per shard under
+# ``shard_map``, each device attending with its own heads through the same dispatch.
+
+_BY_HEADS = PartitionSpec(None, None, TP_AXIS, None)  # [B, T | S | L, N | K, H]
+_WHOLE = PartitionSpec()
+
+
+def _cache_spec(cache: jax.Array | ScaledLayer | PagedLayer) -> Any:
+    """A cache layer split by its KV heads (its scales with them; tables whole)."""
+    if isinstance(cache, PagedLayer):
+        scale = None if cache.scale is None else PartitionSpec(TP_AXIS)
+        return PagedLayer(_BY_HEADS, _WHOLE, scale)
+    if isinstance(cache, ScaledLayer):
+        return ScaledLayer(_BY_HEADS, PartitionSpec(TP_AXIS))
+    return _BY_HEADS
+
+
+def _per_shard(
+    fn: Callable[..., Any], options: KernelOptions, args: tuple, specs: tuple, out_specs: Any
+) -> Any:
+    """``fn(*args, options)`` on every device of ``options.mesh`` with its shard of each
+    argument (``specs``), the options' mesh cleared inside."""
+    inner = dataclasses.replace(options, mesh=None)
+    mapped = jax.shard_map(
+        lambda *a: fn(*a, inner),
+        mesh=options.mesh,
+        in_specs=specs,
+        out_specs=out_specs,
+        check_vma=False,  # custom calls (our kernels, cuDNN's) declare no replication
+    )
+    return mapped(*args)
+
+
+def _sharded(options: KernelOptions) -> bool:
+    return options.mesh is not None and options.implementation != "xla"
 
 
 def cache_step_attention(
@@ -68,6 +111,14 @@ def cache_step_attention(
     ``one_query_picked``) the write and the attention are one kernel; each row then sees its
     own new key even where the mask hides it (an inactive row, whose output no caller reads).
     """
+    if _sharded(options):
+        step = lambda q, k, v, kc, vc, sl, pos, m, rt, o: cache_step_attention(
+            q, k, v, kc, vc, sl, pos, m, rt, sliding_window, o
+        )
+        args = (q, k, v, k_cache, v_cache, slots, positions, mask, row_table)
+        caches = (_cache_spec(k_cache), _cache_spec(v_cache))
+        specs = (_BY_HEADS,) * 3 + caches + (_WHOLE,) * 4
+        return _per_shard(step, options, args, specs, (_BY_HEADS, *caches))
     dense = not isinstance(k_cache, PagedLayer) and not is_narrow(k_cache)
     if dense and slots is None and one_query_picked(q, k_cache, sliding_window, options):
         return _one_query(q, k_cache, v_cache, positions[:, 0], k, v, row_table)
@@ -119,6 +170,11 @@ def cache_attention(
     paged kernel under ``implementation="pallas"``; everything else reads the rows out (a
     view of a dense cache, a gather of a paged one) and goes through ``attention``.
     """
+    if _sharded(options):
+        read = lambda q, kc, vc, sl, m, o: cache_attention(q, kc, vc, sl, m, sliding_window, o)
+        args = (q, k_cache, v_cache, slots, mask)
+        specs = (_BY_HEADS, _cache_spec(k_cache), _cache_spec(v_cache), _WHOLE, _WHOLE)
+        return _per_shard(read, options, args, specs, _BY_HEADS)
     implementation = options.implementation
     if is_narrow(k_cache):
         if scaled_paged_picked(q, k_cache, sliding_window, options):
@@ -441,6 +497,10 @@ def attention(
     43), else the reference; "xla" forces the reference, "cudnn" and "pallas" force those
     kernels and raise where they do not apply.
     """
+    if _sharded(options):
+        attend = lambda q, k, v, m, o: attention(q, k, v, m, sliding_window, scale, o)
+        specs = (_BY_HEADS,) * 3 + (_WHOLE,)
+        return _per_shard(attend, options, (q, k, v, mask), specs, _BY_HEADS)
     implementation = options.implementation
     picked = one_query_picked(q, k, sliding_window, options)
     if implementation in (None, "pallas") and picked:

@@ -109,6 +109,7 @@ def layer_norm(
 
     if (
         options.pallas_layer_norm
+        and options.mesh is None
         and jax.default_backend() == "gpu"
         and x.dtype in (jnp.bfloat16, jnp.float16)
         and layer_norm_applies(x)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jax.sharding import Mesh
+
 IMPLEMENTATIONS = (None, "xla", "cudnn", "pallas")
 
 
@@ -59,6 +61,12 @@ class KernelOptions:
     fallback (rows dequantized, then its split-K form: 0.12x the bf16 step at 64 rows x 4,096
     keys on the H200). Off until the kernel is measured on the GPU; it is checked against its
     reference in the interpreter.
+
+    ``mesh``: a tensor-parallel model's one-axis ("tp") mesh. Attention then runs per shard
+    under ``shard_map`` (each device its own query and KV heads, through the same dispatch, so
+    cuDNN's and our kernels see whole heads); ``implementation="xla"`` leaves it to XLA's SPMD
+    partitioner. The quantized matmul and LayerNorm kernels are not used under it (their
+    operands are sharded along what the kernels sum, or replicated).
     """
 
     implementation: str | None = None
@@ -70,6 +78,7 @@ class KernelOptions:
     pallas_layer_norm: bool = True
     pallas_quantized_matmul: bool = True
     pallas_fp8_cache: bool = False
+    mesh: Mesh | None = None
     quantized_matmul_max_rows: int = 16
 
     def __post_init__(self) -> None:

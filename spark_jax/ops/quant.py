@@ -81,6 +81,7 @@ def quantized_matmul(
         if (
             options.pallas_quantized_matmul
             and options.implementation != "xla"
+            and options.mesh is None
             and jax.default_backend() == "gpu"
             and quantized_matmul_applies(x, q, scale, max_rows=options.quantized_matmul_max_rows)
         ):
