@@ -1,5 +1,6 @@
 """What the kernels of this package share: Mosaic GPU layout helpers, the interpreter's
-differences, the per-configuration kernel sharing, and a small jnp attention reference.
+differences, the per-configuration kernel sharing, the Triton backend's parameters, and a
+small jnp attention reference.
 
 The package imports nothing from ``spark_jax``: each kernel's jnp reference is built from
 ``reference_attention`` here, the same fp32 softmax as ``spark_jax.ops.reference``.
@@ -134,6 +135,16 @@ def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+def triton_params(num_warps: int, num_stages: int, interpret: bool):
+    """A Triton-backend kernel's launch and pipelining on the GPU; None in the interpreter
+    (which takes no compiler parameters)."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def shared_kernel(kernel: Callable) -> Callable:

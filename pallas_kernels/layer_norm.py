@@ -18,6 +18,8 @@ import jax
 import jax.experimental.pallas as pl
 import jax.numpy as jnp
 
+from pallas_kernels._mosaic import triton_params
+
 MAX_WIDTH = 16384  # one row in one program's registers
 
 
@@ -40,11 +42,6 @@ def layer_norm(
     """LayerNorm of x [..., D] over D with fp32 statistics; the result in ``out_dtype`` (x's)."""
     shape, d = x.shape, x.shape[-1]
     rows = x.reshape(-1, d)
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-
-        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
     row = pl.BlockSpec((1, d), lambda i: (i, 0))
     vector = pl.BlockSpec((d,), lambda i: (0,))
     out = pl.pallas_call(
@@ -53,7 +50,7 @@ def layer_norm(
         grid=(rows.shape[0],),
         in_specs=[row, vector, vector],
         out_specs=row,
-        compiler_params=compiler_params,
+        compiler_params=triton_params(num_warps, 1, interpret),
         interpret=interpret,
         name="layer_norm",
     )(rows, scale, bias)

@@ -39,7 +39,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mosaic import gather_rows, reference_attention, visible_keys
+from pallas_kernels._mosaic import gather_rows, reference_attention, triton_params, visible_keys
 
 _MASKED = -1e30  # finite: a block with no visible key leaves the running max untouched
 
@@ -160,11 +160,6 @@ def one_query_attention(
         append=append,
         indirect=row_table is not None,
     )
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-
-        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -172,7 +167,7 @@ def one_query_attention(
         in_specs=in_specs,
         out_specs=out_specs,
         input_output_aliases=aliases,
-        compiler_params=compiler_params,
+        compiler_params=triton_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="one_query_attention",
     )(*inputs)

@@ -30,6 +30,8 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._mosaic import triton_params
+
 NARROW_DTYPES = (jnp.float8_e4m3fn, jnp.int8)
 MIN_DOT_ROWS = 16  # Triton's smallest tensor-core tile
 
@@ -121,11 +123,6 @@ def quantized_matmul(
     splits = splits or _splits(d, f, rows, block_n, block_k, programs)
     chunk = d // splits
     kernel = functools.partial(_kernel, block_k=block_k, steps=chunk // block_k)
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-
-        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     partial = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, rows, f), jnp.float32),
@@ -135,7 +132,7 @@ def quantized_matmul(
             pl.BlockSpec((chunk, block_n), lambda j, s: (s, j)),
         ],
         out_specs=pl.BlockSpec((None, rows, block_n), lambda j, s: (s, 0, j)),
-        compiler_params=compiler_params,
+        compiler_params=triton_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="quantized_matmul",
     )(x2, q)

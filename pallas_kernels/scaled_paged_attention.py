@@ -32,7 +32,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mosaic import MASKED
+from pallas_kernels._mosaic import MASKED, triton_params
 from pallas_kernels.paged_attention import paged_attention_reference
 
 MIN_DOT_ROWS = 16  # Triton's smallest tensor-core tile: the G query heads are padded to it
@@ -145,18 +145,13 @@ def scaled_paged_attention(
         pl.BlockSpec((None, None, None, MIN_DOT_ROWS), lambda i, j, c: (i, j, c, 0)),
         pl.BlockSpec((None, None, None, MIN_DOT_ROWS), lambda i, j, c: (i, j, c, 0)),
     ]
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-
-        compiler_params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     acc, run_max, run_sum = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(b, kv_heads, splits),
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=compiler_params,
+        compiler_params=triton_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="scaled_paged_attention",
     )(*inputs)
