@@ -49,18 +49,23 @@ def _rows(m: int) -> int:
     return 1 if m == 1 else max(MIN_DOT_ROWS, 1 << (m - 1).bit_length())
 
 
+SMALLEST_BLOCK = 64  # D and F must be multiples of it
+
+
+def _block(size: int, largest: int) -> int:
+    """The largest power-of-two block up to ``largest`` that divides ``size``."""
+    block = largest
+    while size % block:
+        block //= 2
+    return block
+
+
 def quantized_matmul_applies(
-    x: jax.Array,
-    q: jax.Array,
-    scale: jax.Array,
-    *,
-    max_rows: int = 16,
-    block_n: int = 128,
-    block_k: int = 256,
+    x: jax.Array, q: jax.Array, scale: jax.Array, *, max_rows: int = 16
 ) -> bool:
     """True where the kernel's static constraints hold: a narrow ``q [D, F]`` with one scale
     per output channel, x of a half dtype with at most ``max_rows`` rows (at 64 rows XLA's
-    GEMM measured faster), and D, F multiples of the largest blocks."""
+    GEMM measured faster), and D, F multiples of 64."""
     if q.ndim != 2 or scale.shape != (q.shape[1],) or q.dtype not in NARROW_DTYPES:
         return False
     d, f = q.shape
@@ -71,8 +76,8 @@ def quantized_matmul_applies(
         x.shape[-1] == d
         and x.dtype in (jnp.bfloat16, jnp.float16)
         and 1 <= rows <= max_rows
-        and d % block_k == 0
-        and f % block_n == 0
+        and d % SMALLEST_BLOCK == 0
+        and f % SMALLEST_BLOCK == 0
     )
 
 
@@ -106,18 +111,19 @@ def quantized_matmul(
     """``x [..., D] @ (q [D, F] * scale [F])`` -> ``[..., F]`` in ``out_dtype``.
 
     ``programs``: the grid is split along D until it has about this many programs (4 per SM of
-    an H200), or into ``splits``; ``block_n`` (None: 128 columns up to 16 rows, else 64) /
-    ``block_k`` / ``num_warps`` / ``num_stages``: the tile and Triton's launch and pipelining,
-    the fastest measured on the H200 (``benchmarks/NOTES.md``). ``interpret`` runs the kernel
-    on the CPU (tests).
+    an H200), or into ``splits``; ``block_n`` (None: up to 128 columns up to 16 rows, else 64)
+    / ``block_k`` (None: up to 256 inputs for one row, else 64; each the largest that divides
+    F or D) / ``num_warps`` / ``num_stages``: the tile and Triton's launch and pipelining, the
+    fastest measured on the H200 (``benchmarks/NOTES.md``). ``interpret`` runs the kernel on
+    the CPU (tests).
     """
     lead = x.shape[:-1]
     d, f = q.shape
     x2 = x.reshape(-1, d)
     m = x2.shape[0]
     rows = _rows(m)
-    block_n = block_n or (128 if rows <= MIN_DOT_ROWS else 64)
-    block_k = block_k or (256 if rows == 1 else 64)
+    block_n = block_n or _block(f, 128 if rows <= MIN_DOT_ROWS else 64)
+    block_k = block_k or _block(d, 256 if rows == 1 else 64)
     if rows != m:
         x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
     splits = splits or _splits(d, f, rows, block_n, block_k, programs)

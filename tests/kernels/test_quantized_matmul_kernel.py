@@ -28,15 +28,16 @@ def _operands(seed: int, lead: tuple[int, ...], d: int, f: int, weights: str):
 
 @pytest.mark.parametrize("weights", ["fp8", "int8"])
 @pytest.mark.parametrize("lead", [(1,), (3,), (2, 8)])  # one row, rows padded to 16, [B, T, D]
-def test_kernel_matches_the_reference(weights, lead):
-    x, q, scale = _operands(len(lead) + lead[0], lead, 512, 256, weights)
+@pytest.mark.parametrize("d, f", [(512, 256), (576, 192)])  # SmolLM2's sizes: blocks of 64
+def test_kernel_matches_the_reference(weights, lead, d, f):
+    x, q, scale = _operands(len(lead) + lead[0], lead, d, f, weights)
     assert qm.quantized_matmul_applies(x, q, scale)
     # 8 programs: 2 column blocks x 4 splits of D, each walking 2 blocks of inputs.
     out = jax.jit(
         lambda *a: qm.quantized_matmul(*a, jnp.float32, programs=8, interpret=not ON_GPU)
     )(x, q, scale)
     ref = qm.quantized_matmul_reference(x, q, scale, jnp.float32)
-    assert out.shape == (*lead, 256) and out.dtype == jnp.float32
+    assert out.shape == (*lead, f) and out.dtype == jnp.float32
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.max(np.abs(out - ref)) <= 1e-5 * np.max(np.abs(ref))
     # and the reference is x @ the dequantized kernel
@@ -51,7 +52,7 @@ def test_applies_only_where_its_constraints_hold():
     assert not qm.quantized_matmul_applies(jnp.zeros((17, 512), jnp.bfloat16), q, scale)
     group_scale = jnp.ones((4, 256), jnp.float32)  # per group of 128 inputs
     assert not qm.quantized_matmul_applies(x, q, group_scale)
-    assert not qm.quantized_matmul_applies(x[:, :384], q[:384], scale)  # D not whole blocks
+    assert not qm.quantized_matmul_applies(x[:, :480], q[:480], scale)  # D not whole blocks
     assert not qm.quantized_matmul_applies(x, q.astype(jnp.bfloat16), scale)  # not narrow
 
 
