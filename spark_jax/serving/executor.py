@@ -184,11 +184,12 @@ class WarmStep:
 @dataclass(frozen=True)
 class WarmGroup:
     """Step shapes compiled together. ``lower`` traces a step's program on fresh inputs
-    (each run donates the cache, so every call builds its own); ``run`` runs the steps once."""
+    (each run donates the cache, so every call builds its own); ``run`` runs the steps once
+    (given the threads to compile what it compiles on)."""
 
     steps: list[WarmStep]
     lower: Callable[[WarmStep], jax.stages.Lowered]
-    run: Callable[[list[WarmStep]], None]
+    run: Callable[[list[WarmStep], int], None]
 
 
 def check_sampler_width(
@@ -632,9 +633,9 @@ class SlotPicker:
             on_device=on_device,
         )
 
-    def warm(self, logits: list[jax.Array]) -> None:
-        """Runs each pick program (logits shape x sampler passes) and the row setter once on
-        no row."""
+    def warm(self, logits: list[jax.Array], compile_threads: int) -> None:
+        """Runs each pick program (logits shape x sampler passes, compiled on
+        ``compile_threads`` threads) and the row setter once on no row."""
         n = self.num_slots
         runs = []
         for x in logits:
@@ -647,7 +648,7 @@ class SlotPicker:
             runs += [(passes, x, [None] * rows, *jax.device_put(host)) for passes in PASS_VARIANTS]
         # Compiled on threads first (XLA compiles outside the GIL), then each run once.
         lowered = [_pick_rows.lower(*self._pick_args(*run)) for run in runs]
-        with ThreadPoolExecutor(8) as pool:
+        with ThreadPoolExecutor(compile_threads) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
         for run in runs:
             self._pick_with(*run)
@@ -1015,9 +1016,12 @@ def _warm_adapters(rows: int, adapted: bool) -> list[int]:
     return [0 if adapted and i == 0 else -1 for i in range(rows)]
 
 
-def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmStep]) -> None:
+def _run_warm_steps(
+    executor: PagedExecutor | DenseExecutor, steps: list[WarmStep], compile_threads: int
+) -> None:
     """Runs each base step once (its adapter variants are compiled only), then the pick of
-    every logits shape they give and the decode's token gather."""
+    every logits shape they give (compiled on ``compile_threads`` threads) and the decode's
+    token gather."""
     runner, sampler = executor.runner, executor.sampler
     shapes: dict[int, jax.Array] = {}
     verified: dict[int, jax.Array] = {}
@@ -1037,7 +1041,7 @@ def _run_warm_steps(executor: PagedExecutor | DenseExecutor, steps: list[WarmSte
             out, executor.state = runner.prefill(*args, **kwargs)
         logits = executor.warm_keep(out)
         shapes[logits.shape[0]] = logits
-    sampler.warm(list(shapes.values()))
+    sampler.warm(list(shapes.values()), compile_threads)
     for logits in verified.values():
         sampler.warm_judge(logits)
 
@@ -1188,7 +1192,8 @@ class DenseExecutor:
         args, kwargs = self._beam_warm_inputs(step)
         return self.runner.lower_prefill(*args, **kwargs)
 
-    def _run_beam_prefills(self, steps: list[WarmStep]) -> None:
+    def _run_beam_prefills(self, steps: list[WarmStep], compile_threads: int) -> None:
+        del compile_threads  # compiled with the group
         for step in steps:  # variants too: nothing else runs them
             args, kwargs = self._beam_warm_inputs(step)
             _, cache = self.runner.prefill(*args, **kwargs)
