@@ -9,11 +9,19 @@ on the H200 at 64 rows x 4,096 keys.
 Pages ``[P, L, K, H]``; row b's key s lives at ``pages[table[b, s // L], s % L]`` (a dense cache
 ``[slots, S, K, H]`` is the same with ``S / L`` pages per slot, a free reshape). Program
 (b, k, c) takes row b, kv head k and the c-th of ``splits`` runs of the row's pages, and
-walks them up to the row's length: each page's ``[L, H]`` keys widened to bf16 and times the
-head's scale (as the reference dequantizes), the scores of the head's G query heads (padded
-to 16 rows, Triton's smallest dot) on the tensor cores, an online softmax in fp32, then the
-values likewise. The splits' unnormalized outputs and softmax statistics are merged after the
-kernel (a log-sum-exp merge in jnp): many splits keep the GPU busy when rows are few.
+walks them up to the row's length: each page's ``[L, H]`` keys widened to fp16, the scores
+of the head's G query heads (padded to 16 rows, Triton's smallest dot) on the tensor cores,
+an online softmax in fp32, then the values likewise. The splits' unnormalized outputs and
+softmax statistics are merged after the kernel (a log-sum-exp merge in jnp): many splits keep
+the GPU busy when rows are few.
+
+Why fp16: E4M3 widens to fp16 exactly in one conversion per two values, while bf16 takes a
+detour through fp32 (two more). At 64 rows x 4,096 keys on the H200 the conversions, not the
+bytes, bounded the kernel widened to bf16 (1.3-1.8 TB/s); widened to fp16 it reads 2.0 TB/s
+with 64-key pages and 2.9-3.0 with 128 (``benchmarks/NOTES.md``). So the kernel takes q in
+fp16 (times the softmax scale, in fp32 first: a query would have to exceed 65,504 / scale to
+overflow), and the head's K and V scales, which factor out of the sums, are applied to the
+fp32 scores and output instead of to each value.
 
 A row of length 0 gives zeros. Pages past a row's length are never read; entries a row does
 not own (out of range) are clipped, and read only inside its last visible page's run, where
@@ -121,7 +129,10 @@ def scaled_paged_attention(
     # [B, K, 16, H]: each kv head's query heads, padded to the dot's 16 rows.
     queries = q.reshape(b, kv_heads, g, h)
     queries = jnp.pad(queries, ((0, 0), (0, 0), (0, MIN_DOT_ROWS - g), (0, 0)))
-    kernel = functools.partial(_kernel, scale=scale, pages_per_split=run, page_size=page_size)
+    # The softmax scale applied to q once, in fp32, before q narrows to fp16 (the pages'
+    # widening type: see the module's docstring).
+    queries = (queries.astype(jnp.float32) * scale).astype(jnp.float16)
+    kernel = functools.partial(_kernel, pages_per_split=run, page_size=page_size)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
     inputs = [
         lengths.astype(jnp.int32),
@@ -176,27 +187,26 @@ def _kernel(
     max_ref,
     sum_ref,
     *,
-    scale: float,
     pages_per_split: int,
     page_size: int,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
     q = q_ref[...]  # [16, H]
-    k_scale = k_scale_ref[head].astype(q.dtype)
-    v_scale = v_scale_ref[head].astype(q.dtype)
     first = split * pages_per_split
     # Pages of this run that hold keys below the length (none: the run is skipped).
     last = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    # The head's scales factor out of the sums: applied to the fp32 scores and output.
+    k_scale, v_scale = k_scale_ref[head], v_scale_ref[head]
 
     def attend(i, carry):
         run_max, run_sum, acc = carry
         page = table_ref[row, i]
-        keys = k_ref[page, :, head, :].astype(q.dtype) * k_scale  # [L, H], as dequantized
-        values = v_ref[page, :, head, :].astype(q.dtype) * v_scale
+        keys = k_ref[page, :, head, :].astype(jnp.float16)  # [L, H], exact
+        values = v_ref[page, :, head, :].astype(jnp.float16)
         # [16, L] in fp32: q against the keys' rows (a contraction of both operands' last axis)
         scores = lax.dot_general(q, keys, _LAST_AXES, preferred_element_type=jnp.float32)
-        scores = scores * scale
+        scores = scores * k_scale
         positions = i * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         scores = jnp.where(positions < length, scores, MASKED)
         new_max = jnp.maximum(run_max, jnp.max(scores, axis=1))
@@ -215,6 +225,6 @@ def _kernel(
         jnp.zeros((rows, h), jnp.float32),
     )
     run_max, run_sum, acc = lax.fori_loop(first, jnp.maximum(first, last), attend, start)
-    acc_ref[...] = acc
+    acc_ref[...] = acc * v_scale
     max_ref[...] = run_max
     sum_ref[...] = run_sum

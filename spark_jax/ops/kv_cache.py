@@ -197,7 +197,7 @@ def read_rows(cache_layer: jax.Array, slots: jax.Array | None) -> jax.Array:
 
 
 def narrow_pages(
-    cache_layer: ScaledLayer | PagedLayer, slots: jax.Array | None, dense_page: int = 64
+    cache_layer: ScaledLayer | PagedLayer, slots: jax.Array | None, dense_page: int = 128
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """An E4M3 layer as (pages [P, L, K, H], block table int32[B, W], scale [K]) for a kernel
     that reads pages in place: a paged layer's own, or a dense one's rows cut into pages of

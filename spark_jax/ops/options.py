@@ -58,9 +58,8 @@ class KernelOptions:
 
     ``pallas_fp8_cache``: a decode step over an fp8 K/V cache reads the E4M3 pages in place
     with our kernel on the GPU (``pallas_kernels/scaled_paged_attention.py``) instead of XLA's
-    fallback (rows dequantized, then its split-K form: 0.12x the bf16 step at 64 rows x 4,096
-    keys on the H200). Off until the kernel is measured on the GPU; it is checked against its
-    reference in the interpreter.
+    fallback (rows dequantized, then its split-K form). Llama-3-8B shapes, 64 rows x 4,096
+    keys on the H200: 5 814 tok/s with it, 591 without, bf16 cache 5 050.
 
     ``mesh``: a tensor-parallel model's one-axis ("tp") mesh. Attention then runs per shard
     under ``shard_map`` (each device its own query and KV heads, through the same dispatch, so
@@ -77,7 +76,7 @@ class KernelOptions:
     paged_walk_consumers: int = 1
     pallas_layer_norm: bool = True
     pallas_quantized_matmul: bool = True
-    pallas_fp8_cache: bool = False
+    pallas_fp8_cache: bool = True
     mesh: Mesh | None = None
     quantized_matmul_max_rows: int = 16
 
