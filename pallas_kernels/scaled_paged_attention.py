@@ -19,9 +19,9 @@ Why fp16: E4M3 widens to fp16 exactly in one conversion per two values, while bf
 detour through fp32 (two more). At 64 rows x 4,096 keys on the H200 the conversions, not the
 bytes, bounded the kernel widened to bf16 (1.3-1.8 TB/s); widened to fp16 it reads 2.0 TB/s
 with 64-key pages and 2.9-3.0 with 128 (``benchmarks/NOTES.md``). So the kernel takes q in
-fp16 (times the softmax scale, in fp32 first: a query would have to exceed 65,504 / scale to
-overflow), and the head's K and V scales, which factor out of the sums, are applied to the
-fp32 scores and output instead of to each value.
+fp16 (times the softmax scale, in fp32 first, saturated at fp16's largest value where it
+would overflow), and the head's K and V scales, which factor out of the sums, are applied to
+the fp32 scores and output instead of to each value.
 
 A row of length 0 gives zeros. Pages past a row's length are never read; entries a row does
 not own (out of range) are clipped, and read only inside its last visible page's run, where
@@ -130,8 +130,9 @@ def scaled_paged_attention(
     queries = q.reshape(b, kv_heads, g, h)
     queries = jnp.pad(queries, ((0, 0), (0, 0), (0, MIN_DOT_ROWS - g), (0, 0)))
     # The softmax scale applied to q once, in fp32, before q narrows to fp16 (the pages'
-    # widening type: see the module's docstring).
-    queries = (queries.astype(jnp.float32) * scale).astype(jnp.float16)
+    # widening type: see the module's docstring), saturated where it would overflow fp16.
+    big = float(jnp.finfo(jnp.float16).max)
+    queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
     kernel = functools.partial(_kernel, pages_per_split=run, page_size=page_size)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
     inputs = [

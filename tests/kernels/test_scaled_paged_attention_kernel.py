@@ -55,6 +55,16 @@ def test_kernel_matches_the_reference(heads, kv_heads, page_size, programs):
     assert np.all(np.asarray(out[0], np.float32) == 0)  # the empty row
 
 
+def test_queries_beyond_fp16s_range_saturate_instead_of_overflowing():
+    # The kernel takes q in fp16: one component of 1e6 (1.25e5 after the 1 / 8 scale)
+    # overflows it unless it saturates; either way that component's key dominates.
+    q, *rest = _paged_case(2, 3, 8, 2, 64, 16, 4, [9, 40, 64])
+    q = q.at[:, 0, 3, 5].set(1e6)
+    out = spa.scaled_paged_attention(q, *rest, interpret=not ON_GPU)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert _close(out, spa.scaled_paged_attention_reference(q, *rest))
+
+
 def test_applies_only_where_its_constraints_hold():
     q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
     pages = jnp.zeros((4, 16, 2, 64), FP8)
