@@ -161,10 +161,11 @@ def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_p
     dropped, nothing compiled after warm-up, every page and slot given back."""
     _, model = tiny_llama
     # max_model_len: the longest request (99 + 40 tokens) with room, not the model's 512: two
-    # block-table widths to warm up instead of three.
+    # block-table widths to warm up instead of three. Two decode widths, not four (every width
+    # is the other engine's test): half the multi-step programs to warm up.
     engine = Engine(
         model, max_num_seqs=8, max_batch_tokens=64, kv_pages=40, num_scheduler_steps=4,
-        max_model_len=160,
+        max_model_len=160, decode_widths=[1, 8],
     )  # fmt: skip
     engine.warmup()
     rng = np.random.RandomState(3)
