@@ -9,11 +9,12 @@ on the H200 at 64 rows x 4,096 keys.
 Pages ``[P, L, K, H]``; row b's key s lives at ``pages[table[b, s // L], s % L]`` (a dense cache
 ``[slots, S, K, H]`` is the same with ``S / L`` pages per slot, a free reshape). Program
 (b, k, c) takes row b, kv head k and the c-th of ``splits`` runs of the row's pages, and
-walks them up to the row's length: each page's ``[L, H]`` keys widened to fp16, the scores
-of the head's G query heads (padded to 16 rows, Triton's smallest dot) on the tensor cores,
-an online softmax in fp32, then the values likewise. The splits' unnormalized outputs and
-softmax statistics are merged after the kernel (a log-sum-exp merge in jnp): many splits keep
-the GPU busy when rows are few.
+walks them up to the row's length in steps of ``keys_per_step`` keys (small pages are
+gathered several to a step: 128-key steps read fastest): each step's keys widened to fp16,
+the scores of the head's G query heads (padded to 16 rows, Triton's smallest dot) on the
+tensor cores, an online softmax in fp32, then the values likewise. The splits' unnormalized
+outputs and softmax statistics are merged after the kernel (a log-sum-exp merge in jnp): many
+splits keep the GPU busy when rows are few.
 
 Why fp16: E4M3 widens to fp16 exactly in one conversion per two values, while bf16 takes a
 detour through fp32 (two more). At 64 rows x 4,096 keys on the H200 the conversions, not the
@@ -23,9 +24,11 @@ fp16 (times the softmax scale, in fp32 first, saturated at fp16's largest value 
 would overflow), and the head's K and V scales, which factor out of the sums, are applied to
 the fp32 scores and output instead of to each value.
 
-A row of length 0 gives zeros. Pages past a row's length are never read; entries a row does
-not own (out of range) are clipped, and read only inside its last visible page's run, where
-the positions past the length are masked.
+A row of length 0 gives zeros. Steps past a row's length are never read. Table entries a row
+does not own (out of range) are clipped into the pool, and read only inside its last visible
+step, where the positions past the length are masked; so, as for the bf16 paged kernel, the
+pool must hold finite values there (a zero-initialised pool does: a masked key weighs exactly
+0, and 0 * NaN is NaN).
 
 Axes: B rows, N query heads, K kv heads, G = N / K, H head dim, P pages, L keys per page,
 W table width (pages per row), C splits.
@@ -102,6 +105,7 @@ def scaled_paged_attention(
     scale: float | None = None,
     *,
     programs: int = 528,
+    keys_per_step: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
@@ -110,17 +114,21 @@ def scaled_paged_attention(
     (values ``pages * k/v_scale [K]``) through ``block_table`` int32[B, W] -> [B,1,N,H].
 
     ``programs``: each row's pages are split into runs until the grid has about this many
-    programs (4 per SM of an H200); ``num_warps`` / ``num_stages``: Triton's launch and
-    pipelining. ``interpret`` runs the kernel on the CPU (tests).
+    programs (4 per SM of an H200); ``keys_per_step``: a program's loop takes this many keys
+    a step (``keys_per_step / L`` pages gathered at once; 128-key steps read fastest on the
+    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining. ``interpret`` runs
+    the kernel on the CPU (tests).
     """
     b, _, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
     g = n // kv_heads
     width = block_table.shape[1]
+    per_step = max(1, keys_per_step // page_size)  # pages a step gathers
+    steps = -(-width // per_step)  # steps of a whole row
     splits = 1
-    while b * kv_heads * splits * 2 <= programs and splits * 2 <= width:
+    while b * kv_heads * splits * 2 <= programs and splits * 2 <= steps:
         splits *= 2
-    run = -(-width // splits)  # pages per split
+    run = -(-steps // splits) * per_step  # pages per split, whole steps
     table = jnp.pad(
         jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1),
         ((0, 0), (0, run * splits - width)),
@@ -133,7 +141,9 @@ def scaled_paged_attention(
     # widening type: see the module's docstring), saturated where it would overflow fp16.
     big = float(jnp.finfo(jnp.float16).max)
     queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
-    kernel = functools.partial(_kernel, pages_per_split=run, page_size=page_size)
+    kernel = functools.partial(
+        _kernel, pages_per_split=run, pages_per_step=per_step, page_size=page_size
+    )
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
     inputs = [
         lengths.astype(jnp.int32),
@@ -189,33 +199,42 @@ def _kernel(
     sum_ref,
     *,
     pages_per_split: int,
+    pages_per_step: int,
     page_size: int,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
     q = q_ref[...]  # [16, H]
     first = split * pages_per_split
-    # Pages of this run that hold keys below the length (none: the run is skipped).
-    last = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    # Steps of this run that hold keys below the length (none: the run is skipped).
+    visible = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    num_steps = jnp.maximum(visible - first + pages_per_step - 1, 0) // pages_per_step
+    keys = pages_per_step * page_size  # a step's keys
     # The head's scales factor out of the sums: applied to the fp32 scores and output.
     k_scale, v_scale = k_scale_ref[head], v_scale_ref[head]
 
+    def narrow(pages_ref, start):  # [keys, H]: the step's pages, one after the other
+        if pages_per_step == 1:
+            return pages_ref[table_ref[row, start], :, head, :]
+        ids = table_ref[row, pl.ds(start, pages_per_step)]
+        return pages_ref[ids, :, head, :].reshape(keys, pages_ref.shape[-1])
+
     def attend(i, carry):
         run_max, run_sum, acc = carry
-        page = table_ref[row, i]
-        keys = k_ref[page, :, head, :].astype(jnp.float16)  # [L, H], exact
-        values = v_ref[page, :, head, :].astype(jnp.float16)
-        # [16, L] in fp32: q against the keys' rows (a contraction of both operands' last axis)
-        scores = lax.dot_general(q, keys, _LAST_AXES, preferred_element_type=jnp.float32)
+        start = first + i * pages_per_step
+        k = narrow(k_ref, start).astype(jnp.float16)  # exact
+        v = narrow(v_ref, start).astype(jnp.float16)
+        # [16, keys] in fp32: q against the keys' rows (both operands' last axis contracted)
+        scores = lax.dot_general(q, k, _LAST_AXES, preferred_element_type=jnp.float32)
         scores = scores * k_scale
-        positions = i * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+        positions = start * page_size + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
         scores = jnp.where(positions < length, scores, MASKED)
         new_max = jnp.maximum(run_max, jnp.max(scores, axis=1))
         correction = jnp.exp(run_max - new_max)
         weights = jnp.exp(scores - new_max[:, None])
         run_sum = run_sum * correction + jnp.sum(weights, axis=1)
         acc = acc * correction[:, None] + jnp.dot(
-            weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+            weights.astype(v.dtype), v, preferred_element_type=jnp.float32
         )
         return new_max, run_sum, acc
 
@@ -225,7 +244,7 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, h), jnp.float32),
     )
-    run_max, run_sum, acc = lax.fori_loop(first, jnp.maximum(first, last), attend, start)
+    run_max, run_sum, acc = lax.fori_loop(0, num_steps, attend, start)
     acc_ref[...] = acc * v_scale
     max_ref[...] = run_max
     sum_ref[...] = run_sum

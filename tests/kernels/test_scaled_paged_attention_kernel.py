@@ -40,15 +40,24 @@ def _paged_case(seed, rows, heads, kv_heads, head_dim, page_size, width, lengths
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, page_size, programs",
-    [(8, 2, 16, 8), (8, 2, 16, 4096), (6, 2, 32, 64), (4, 4, 16, 1)],
+    "heads, kv_heads, page_size, programs, keys_per_step",
+    [
+        (8, 2, 16, 8, 16),
+        (8, 2, 16, 4096, 16),
+        (6, 2, 32, 64, 32),
+        (4, 4, 16, 1, 16),
+        (8, 2, 16, 8, 64),  # 4 pages a step: 6 pages in 2 steps, the last half out of range
+        (8, 2, 16, 4096, 32),  # 2 pages a step, as many splits as steps
+        (6, 2, 32, 1, 128),  # 4 pages a step, one program a row
+    ],
 )
-def test_kernel_matches_the_reference(heads, kv_heads, page_size, programs):
+def test_kernel_matches_the_reference(heads, kv_heads, page_size, programs, keys_per_step):
     # Lengths 0 (zeros), 1, inside a page, on a page's end and the whole table.
     case = _paged_case(0, 5, heads, kv_heads, 64, page_size, 6, [0, 1, 17, 96, 6 * page_size])
-    out = jax.jit(
-        lambda *a: spa.scaled_paged_attention(*a, programs=programs, interpret=not ON_GPU)
-    )(*case)
+    kernel = lambda *a: spa.scaled_paged_attention(
+        *a, programs=programs, keys_per_step=keys_per_step, interpret=not ON_GPU
+    )
+    out = jax.jit(kernel)(*case)
     ref = spa.scaled_paged_attention_reference(*case)
     assert out.shape == (5, 1, heads, 64) and out.dtype == jnp.bfloat16
     assert _close(out, ref)
