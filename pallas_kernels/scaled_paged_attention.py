@@ -216,8 +216,10 @@ def _kernel(
     def narrow(pages_ref, start):  # [keys, H]: the step's pages, one after the other
         if pages_per_step == 1:
             return pages_ref[table_ref[row, start], :, head, :]
-        ids = table_ref[row, pl.ds(start, pages_per_step)]
-        return pages_ref[ids, :, head, :].reshape(keys, pages_ref.shape[-1])
+        # Gathered key by key (page id, offset in the page): one [keys, H] load, no reshape.
+        at = lax.broadcasted_iota(jnp.int32, (keys,), 0)
+        ids = table_ref[row, start + at // page_size]
+        return pages_ref[ids, at % page_size, head, :]
 
     def attend(i, carry):
         run_max, run_sum, acc = carry
