@@ -11,10 +11,10 @@ largest finite value (448 for E4M3, 127 for int8).
 channel factors out of the sum, so the dot reads ``q`` (converted to x's dtype, which holds
 every E4M3 and int8 value exactly) and the scale multiplies the fp32 output. On the GPU a
 matmul of few rows runs our kernel (``pallas_kernels/quantized_matmul.py``: the same math,
-split along the summed axis so the narrow bytes are read at the copy ceiling); elsewhere XLA's
-GEMM with the convert fused into its operand read. Group scales vary along the summed axis and
-cannot factor out; the kernel is dequantized per group first (again a producer XLA may fuse
-into the GEMM). The CPU runs the same expressions.
+split along the summed axis; ~2.5 TB/s of narrow bytes at one row on the H200, where XLA's
+fused GEMM reads ~1.2); elsewhere XLA's GEMM with the convert fused into its operand read.
+Group scales vary along the summed axis and cannot factor out; the kernel is dequantized per
+group first (again a producer XLA may fuse into the GEMM). The CPU runs the same expressions.
 """
 
 from __future__ import annotations
