@@ -44,6 +44,7 @@ own end are the cost of static batching they are. ``--tiny`` runs fp32 on the CP
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import gc
@@ -52,6 +53,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -346,39 +348,61 @@ def http_levels(engine: Any, plan: Plan, requests: list, report: Report) -> list
         server.stop()
 
 
-def device_idle(trace_dir: str) -> dict[str, float]:
+def device_idle(trace_dir: str) -> dict[str, Any]:
     """The device's idle time inside a trace: the gaps between its kernels on every stream,
-    merged, over the span from the first kernel to the last."""
+    merged, over the span from the first kernel to the last; and what the host's Python
+    thread was inside during those gaps (``host_during_idle_ms``: each traced function's
+    time overlapping a gap, nested calls counted in each of their callers). With ``$OUT`` set
+    the trace is kept there (``serving_trace.xplane.pb``) to be read again off the device."""
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         return {"error": "no trace written"}
-    data = jax.profiler.ProfileData.from_file(paths[0])
-    spans, by_name = [], collections.Counter()
+    if os.environ.get("OUT"):
+        shutil.copy(paths[0], os.path.join(os.environ["OUT"], "serving_trace.xplane.pb"))
+    return idle_of_trace(paths[0])
+
+
+def idle_of_trace(path: str) -> dict[str, Any]:
+    """``device_idle``'s figures from one ``.xplane.pb`` file."""
+    data = jax.profiler.ProfileData.from_file(path)
+    spans, by_name, host = [], collections.Counter(), []
     for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
         for line in plane.lines:
-            if line.name.startswith("Stream"):
+            if plane.name.startswith("/device:") and line.name.startswith("Stream"):
                 for e in line.events:
                     spans.append((e.start_ns, e.start_ns + e.duration_ns))
                     by_name[e.name[:80]] += e.duration_ns
+            elif plane.name == "/host:CPU" and line.name == "python":
+                host.extend((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events)
     if not spans:
         return {"error": "no device events in the trace (a CPU backend)"}
     spans.sort()
-    busy, (lo, hi) = 0.0, spans[0]
+    gaps, busy, (lo, hi) = [], 0.0, spans[0]
     for a, b in spans[1:]:
         if a > hi:
-            busy, lo = busy + hi - lo, a
+            busy += hi - lo
+            gaps.append((hi, a))
+            lo = a
         hi = max(hi, b)
     busy += hi - lo
-    total = spans[-1][1] - spans[0][0] if spans else 0
-    total = max(total, max(b for _, b in spans) - spans[0][0])
+    total = max(b for _, b in spans) - spans[0][0]
     top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
+    during, gap_starts = collections.Counter(), [a for a, _ in gaps]
+    for start, end, name in host:
+        i = max(bisect.bisect_right(gap_starts, start) - 1, 0)  # the gaps are sorted, disjoint
+        while i < len(gaps) and gaps[i][0] < end:
+            a, b = gaps[i]
+            if start < b:
+                during[name[:100]] += min(b, end) - max(a, start)
+            i += 1
     return {
         "span_ms": total / 1e6,
         "busy_ms": busy / 1e6,
         "idle_fraction": 1 - busy / total,
+        "gaps": len(gaps),
+        "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
+        "host_during_idle_ms": {n: ns / 1e6 for n, ns in during.most_common(40)},
     }
 
 
