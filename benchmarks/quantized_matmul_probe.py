@@ -39,7 +39,18 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 
 
 def tile_matmul(
-    x, w, scale, *, layout, block_in, block_out, splits, warps, stages, interpret=False
+    x,
+    w,
+    scale,
+    *,
+    layout,
+    block_in,
+    block_out,
+    splits,
+    warps,
+    stages,
+    per_tile=False,
+    interpret=False,
 ):
     """``x [1, D] @ (q * scale)`` with weights ``w`` as ``[D, F]`` (layout "df") or ``[F, D]``
     ("fd"); each program sums products elementwise into a [block_in, block_out] fp32 tile and
@@ -55,13 +66,18 @@ def tile_matmul(
         def step(i, acc):
             inputs = pl.ds(pl.multiple_of(i * block_in, block_in), block_in)
             xs = x_ref[0, inputs].astype(jnp.float32)
+            if per_tile:  # the column sum per tile (the kernel's form before)
+                return acc + jnp.sum(xs[:, None] * w_ref[inputs, :].astype(jnp.float32), 0)[None]
             if layout == "df":
                 return acc + xs[:, None] * w_ref[inputs, :].astype(jnp.float32)
             return acc + w_ref[:, inputs].astype(jnp.float32) * xs[None, :]
 
         shape = (block_in, block_out) if layout == "df" else (block_out, block_in)
-        acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-        o_ref[...] = jnp.sum(acc, axis=0 if layout == "df" else 1)[None]
+        if per_tile:
+            o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((1, block_out), jnp.float32))
+        else:
+            acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+            o_ref[...] = jnp.sum(acc, axis=0 if layout == "df" else 1)[None]
 
     if layout == "df":
         w_spec = pl.BlockSpec((chunk, block_out), lambda j, s: (s, j))
@@ -118,6 +134,12 @@ def dot_matmul(x, wt, scale, *, block_in, block_out, splits, warps, stages, wide
         name="dot_matmul",
     )(xt, wt)
     return (jnp.sum(partial, axis=0) * scale).astype(x.dtype)
+
+
+def _pow2_divisor(n, largest):
+    while n % largest:
+        largest //= 2
+    return largest
 
 
 def splits_for(d, f, block_in, block_out, programs):
@@ -244,6 +266,24 @@ def main() -> None:
                 scheme,
                 fn,
             )
+    for scheme in ("fp8", "int8"):
+
+        def before(x, q, s, qt, name):
+            d, f = q.shape
+            return tile_matmul(
+                x,
+                q,
+                s,
+                layout="df",
+                block_in=_pow2_divisor(d, 256),
+                block_out=128,
+                splits=splits_for(d, f, _pow2_divisor(d, 256), 128, 528),
+                warps=4,
+                stages=4,
+                per_tile=True,
+            )
+
+        variants[f"kernel_before_{scheme}"] = (scheme, before)
     if args.quick:
         configs = configs[:2] + configs[7:9]
     for layout, bi, bo, warps, stages, programs in configs:
