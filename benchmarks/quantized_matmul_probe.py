@@ -136,6 +136,21 @@ def dot_matmul(x, wt, scale, *, block_in, block_out, splits, warps, stages, wide
     return (jnp.sum(partial, axis=0) * scale).astype(x.dtype)
 
 
+def jax_mixed_matmul(x, wt, scale):
+    """JAX's own Hopper mixed-type matmul (Mosaic GPU: int8 tiles by TMA into shared memory,
+    widened in registers as wgmma's first operand) on ``wt [F, D]`` int8 times x^T padded to
+    64 columns: no split of D, so a projection gets F / 128 programs."""
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+    config = mixed.TuningConfig(
+        tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=4,
+        wg_dimension=mixed.MatmulDimension.M,
+    )  # fmt: skip
+    xt = jnp.pad(x, ((0, 64 - x.shape[0]), (0, 0))).T  # [D, 64]
+    y = mixed.mixed_matmul_kernel(wt, xt, out_dtype=jnp.float32, config=config)  # [F, 64]
+    return (y[:, 0] * scale)[None].astype(x.dtype)
+
+
 def _pow2_divisor(n, largest):
     while n % largest:
         largest //= 2
@@ -153,6 +168,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="+", default=None, help="variants whose name has one")
     args = parser.parse_args()
     key = jax.random.key(0)
     layers = []
@@ -330,6 +346,14 @@ def main() -> None:
     for scheme in ("fp8", "int8"):
         outs = run_all(variants[f"xla_fused_{scheme}"][1], scheme)()
         reference[scheme] = [np.asarray(o, np.float32) for o in outs]
+    for scheme in ("int8",):
+
+        def mixed(x, q, s, qt, name):
+            return jax_mixed_matmul(x, qt, s)
+
+        variants[f"jax_mixed_{scheme}"] = (scheme, mixed)
+    if args.only:
+        variants = {k: v for k, v in variants.items() if any(o in k for o in args.only)}
     for name, (scheme, fn) in variants.items():
         try:
             call = run_all(fn, scheme)
