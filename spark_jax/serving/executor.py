@@ -51,6 +51,7 @@ from spark_jax.ops.cudnn import cudnn_paged_applies
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
 from spark_jax.ops.sharding import TP_AXIS, replicated
+from spark_jax.serving.packing import Packing, pack, unpack
 from spark_jax.serving.pages import BlockTable
 from spark_jax.serving.scheduler import PrefillRow, SequenceState, StepPlan, pow2_ladder, rung
 
@@ -105,28 +106,28 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     return jnp.take(last_tokens, row_slots, mode="clip")
 
 
-@partial(jax.jit, donate_argnames=("token_counts",))
+@partial(jax.jit, static_argnames=("packing",), donate_argnames=("token_counts",))
 def _set_rows(
     token_counts: jax.Array,
     prompt_mask: jax.Array,
     by_slot: SampleRows,
-    slots: jax.Array,
-    tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    lengths: jax.Array,
-    settings: SampleRows,
+    admission: jax.Array,
+    packing: Packing,
 ) -> tuple[jax.Array, jax.Array, SampleRows]:
-    """The sampler state of newly admitted sequences, built here from their token ids: rows
-    ``slots[R]`` (padding rows name slot ``S``: their writes are dropped) get the counts of
-    their outputs so far and the mask of their prompts, from ``tokens[R, L]`` (the prompt's
-    ``prompt_lengths[r]`` tokens, then the output's up to ``lengths[r]``; padding after),
-    and their sampling settings (an R-row ``SampleRows``).
+    """The sampler state of newly admitted sequences, built here from their token ids. The
+    ``admission`` buffer (``spark_jax.serving.packing``) holds ``slots[R]``, ``tokens[R, L]``,
+    ``prompt_lengths[R]``, ``lengths[R]`` and ``settings``: rows ``slots`` (padding rows name
+    slot ``S``: their writes are dropped) get the counts of their outputs so far and the mask
+    of their prompts, from ``tokens`` (the prompt's ``prompt_lengths[r]`` tokens, then the
+    output's up to ``lengths[r]``; padding after), and their sampling settings (an R-row
+    ``SampleRows``).
 
     Built on the device, an admission uploads its token ids rather than two dense [V] rows
-    (640 KB at a 128k vocabulary), and the rows a step admits go in one program. Only the
-    counts are donated: they are the last pick's output, which nothing else reads. The
-    prompt masks and settings are inputs of the pick still in flight, and donating a buffer
-    that a queued program reads makes the host wait for that program."""
+    (640 KB at a 128k vocabulary), and the rows a step admits go in one program and one
+    transfer. Only the counts are donated: they are the last pick's output, which nothing
+    else reads. The prompt masks and settings are inputs of the pick still in flight, and
+    donating a buffer that a queued program reads makes the host wait for that program."""
+    slots, tokens, prompt_lengths, lengths, settings = unpack(admission, packing)
     rows, width = tokens.shape
     vocab = token_counts.shape[1]
     position = jnp.arange(width)[None, :]
@@ -489,7 +490,7 @@ class SlotPicker:
             [len(ids) for ids in held] + [0] * pad,
             [seq.params for seq in seqs] + [None] * pad,
         )
-        self._apply_rows(*jax.device_put(host))  # one transfer
+        self._apply_rows(host)
 
     def _admission(
         self,
@@ -508,9 +509,11 @@ class SlotPicker:
         as_ints = lambda xs: np.array(xs, np.int32)
         return as_ints(slots), tokens, as_ints(prompt_lengths), as_ints(lengths), settings
 
-    def _apply_rows(self, *rows: Any) -> None:
+    def _apply_rows(self, host: tuple) -> None:
+        """``_set_rows`` on ``_admission``'s host inputs, packed into one transfer."""
+        buffer, packing = pack(host)
         self.counts, self.prompt_mask, self.settings = _set_rows(
-            self.counts, self.prompt_mask, self.settings, *rows
+            self.counts, self.prompt_mask, self.settings, jax.device_put(buffer), packing
         )
 
     def by_slot(self) -> SampleRows:
@@ -657,7 +660,7 @@ class SlotPicker:
         for width in self.token_ladder:
             tokens = np.zeros((self.max_admitted, width), np.int32)
             host = self._admission(nobody, tokens, zeros, zeros, [None] * self.max_admitted)
-            self._apply_rows(*jax.device_put(host))
+            self._apply_rows(host)
         jax.block_until_ready((self.last_tokens, self.counts))
 
 
