@@ -106,6 +106,17 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     return jnp.take(last_tokens, row_slots, mode="clip")
 
 
+@partial(jax.jit, static_argnames=("packing",))
+def _decode_inputs(
+    last_tokens: jax.Array, inputs: jax.Array, packing: Packing
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """A decode step's host inputs from their one buffer (``spark_jax.serving.packing``): the
+    rows' slots, block table, lengths, activity and generated counts; and each row's input
+    token, its slot's last token."""
+    row_slots, table, lengths, active, generated = unpack(inputs, packing)
+    return _gather_tokens(last_tokens, row_slots), (row_slots, table, lengths, active, generated)
+
+
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("token_counts",))
 def _set_rows(
     token_counts: jax.Array,
@@ -439,6 +450,7 @@ class SlotPicker:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_admitted = max_admitted
+        self.mesh = mesh
         # The admission program's token widths: a short prompt uploads a short row.
         self.token_ladder = pow2_ladder(min(ADMISSION_MIN_TOKENS, max_len), max_len)
         # Under tensor parallelism the per-token state is split by vocab like the logits that
@@ -529,8 +541,14 @@ class SlotPicker:
         row_slots = np.array([nowhere if s is None else s.slot for s in seqs], np.int32)
         active = np.array([s is not None for s in seqs])
         generated = np.array([0 if s is None else s.num_scheduled for s in seqs], np.int32)
-        row_slots, active, generated = jax.device_put((row_slots, active, generated))
+        row_slots, active, generated = self.rows_on_device((row_slots, active, generated))
         return self.pick_rows(logits, seqs, row_slots, active, generated)
+
+    def rows_on_device(self, rows: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+        """A pick's row inputs (slots, activity, generated counts) placed as a decode step's
+        come out of ``_decode_inputs``: committed (``commit``), so every pick, after a decode
+        or a prefill, runs the program warm-up compiled."""
+        return commit(rows, self.mesh)
 
     def pick_rows(
         self,
@@ -648,7 +666,8 @@ class SlotPicker:
                 np.zeros((rows,), bool),
                 np.zeros((rows,), np.int32),
             )
-            runs += [(passes, x, [None] * rows, *jax.device_put(host)) for passes in PASS_VARIANTS]
+            placed = self.rows_on_device(host)
+            runs += [(passes, x, [None] * rows, *placed) for passes in PASS_VARIANTS]
         # Compiled on threads first (XLA compiles outside the GIL), then each run once.
         lowered = [_pick_rows.lower(*self._pick_args(*run)) for run in runs]
         with ThreadPoolExecutor(compile_threads) as pool:
@@ -834,12 +853,10 @@ class PagedExecutor:
         if any(s.drafts for s in rows):
             host = (row_slots, table, lengths, active, generated)
             return self._verify(rows, seqs, host, adapters)
-        # One transfer for the step's host inputs: each upload is a dispatch of its own.
         host = (row_slots, table, lengths, active, generated)
         starts = lengths
-        row_slots, table, lengths, active, generated = jax.device_put(host)
+        tokens, (row_slots, table, lengths, active, generated) = self._upload_decode_inputs(host)
         state = self.state.with_block_table(table).with_lengths(lengths)
-        tokens = _gather_tokens(self.sampler.last_tokens, row_slots)
         out, self.state = self.runner.decode(
             state, tokens, active, **self._lora(adapters), **self._hidden()
         )
@@ -847,6 +864,15 @@ class PagedExecutor:
         if before_pick is not None:
             before_pick()
         return self.sampler.pick_rows(logits, seqs, row_slots, active, generated)
+
+    def _upload_decode_inputs(
+        self, host: tuple[np.ndarray, ...]
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """A decode step's host inputs (slots, block table, lengths, activity, generated
+        counts) on the device in one transfer (each array a transfer of its own cost the host
+        more than the rest of the dispatch), with the rows' input tokens."""
+        buffer, packing = pack(host)
+        return _decode_inputs(self.sampler.last_tokens, jax.device_put(buffer), packing)
 
     def _chunk(
         self, num_steps: int, seqs: list[SequenceState | None], host: tuple[np.ndarray, ...]
@@ -977,19 +1003,18 @@ class PagedExecutor:
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         if step.kind in ("decode", "verify"):  # no active row, over an empty block table
             b, width = step.shape
-            empty = upload(np.full((b, width), self.num_pages, np.int32))
-            state = self.state.with_block_table(empty).with_lengths(
-                upload(np.zeros((b,), np.int32))
-            )
             kwargs = self._lora(_warm_adapters(b, step.adapted)) | self._hidden()
-            slots = upload(np.zeros((b,), np.int32))
+            zeros = np.zeros((b,), np.int32)
+            host = (zeros, np.full((b, width), self.num_pages, np.int32), zeros, zeros != 0, zeros)
             if step.kind == "verify":  # its inputs as a run makes them
+                slots, table, lengths, _, _ = jax.device_put(host)
+                state = self.state.with_block_table(table).with_lengths(lengths)
                 drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
-                return (state, tokens, upload(np.zeros((b,), np.int32))), kwargs
-            # The decode's input tokens as a run gathers them.
-            tokens = _gather_tokens(self.sampler.last_tokens, slots)
-            active = upload(np.zeros((b,), bool))
+                return (state, tokens, upload(zeros)), kwargs
+            # The decode's inputs as a run uploads them.
+            tokens, (_, table, lengths, active, _) = self._upload_decode_inputs(host)
+            state = self.state.with_block_table(table).with_lengths(lengths)
             return (state, tokens, active), kwargs
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
