@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spark_jax.generation.guided import GuidedRow, fill_bitmask, guided_row
@@ -171,12 +172,33 @@ def _pick(rule: Sampling, logits: jax.Array, carry: Carry, rows: SampleRows) -> 
     return dataclasses.replace(picked, state=carry.state), chunk
 
 
+def _prefill_in_groups(
+    runner, state, prompts, plist, adapters, max_tokens: int
+) -> tuple[jax.Array, Any]:
+    """The runner's prefill of every prompt into slots 0 .. n-1, in groups of consecutive rows
+    of at most ``max_tokens`` padded positions each (at least one row a call): logits
+    [n, V] in row order. ``adapters``: each row's slot, or None for a model without a pool."""
+    n = len(prompts)
+    per_call = max(1, max_tokens // bucket(max(len(p) for p in prompts)))
+    pieces = []
+    for first in range(0, n, per_call):
+        rows = list(range(first, min(n, first + per_call)))
+        lora_kw = {} if adapters is None else {"adapters": [adapters[i] for i in rows]}
+        logits, state = runner.prefill(
+            state, rows, [prompts[i] for i in rows], [plist[i] for i in rows], **lora_kw
+        )
+        pieces.append(logits)
+    return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)), state
+
+
 def _start(
-    model, prompts, plist, adapters, guides, split: bool
+    model, prompts, plist, adapters, guides, loop: LoopOptions
 ) -> tuple[_Batch, Carry, Chunk, jax.Array]:
-    """Prefill every prompt and pick each first token: the batch, its carry, its first chunk
-    and the prefill's logits (whose buffer a split step's forward takes over). ``split``:
-    every step as a guided batch runs it (``LoopOptions.split_step``)."""
+    """Prefill every prompt (``LoopOptions.prefill_tokens_per_call`` positions a call at most)
+    and pick each first token: the batch, its carry, its first chunk and the prefill's logits
+    (whose buffer a split step's forward takes over). With ``loop.split_step`` every step runs
+    as a guided batch runs it."""
+    split = loop.split_step
     runner = model.runner
     n = len(prompts)
     requests = [
@@ -186,8 +208,10 @@ def _start(
     max_len = cache_len(max(len(p) + sp.max_tokens for p, sp in zip(prompts, plist, strict=True)))
     state = runner.init_state(n, max_len, max(len(p) for p in prompts))
     # Adapters go to the runner only when a pool exists, so plain models keep one compile.
-    lora_kw = {} if model.lora_pool is None else {"adapters": adapters}
-    logits, state = runner.prefill(state, list(range(n)), prompts, plist, **lora_kw)
+    pooled = None if model.lora_pool is None else adapters
+    logits, state = _prefill_in_groups(
+        runner, state, prompts, plist, pooled, loop.prefill_tokens_per_call
+    )
     vocab = logits.shape[-1]
     rule = Sampling(
         greedy=all(p.plain_greedy for p in plist),
@@ -217,7 +241,7 @@ def _start(
     rows = SampleRows(
         SamplerBatch.from_params(plist, vocab, model.eos_token_ids), prompt_mask, max_tokens
     )
-    lora = runner.lora_input(adapters) if lora_kw else None
+    lora = None if model.lora_pool is None else runner.lora_input(adapters)
     batch = _Batch(requests, lora, rows, rule, guides, vocab)
     if rule.guided:
         rows = batch.masked()
@@ -228,7 +252,7 @@ def _start(
 def _run_loop(model, prompts, plist, adapters, guides, results, loop: LoopOptions, stream: bool):
     t0 = time.perf_counter()
     runner = model.runner
-    batch, carry, chunk, logits = _start(model, prompts, plist, adapters, guides, loop.split_step)
+    batch, carry, chunk, logits = _start(model, prompts, plist, adapters, guides, loop)
     requests = batch.requests
     limits = RowLimits.of(requests)
     host_done = np.zeros(len(prompts), bool)

@@ -222,3 +222,33 @@ def test_a_device_loop_that_retires_rows_early_fails_loudly_and_frees_slots(
     with pytest.raises(RuntimeError, match="bug"):
         sj.generate(model, random_prompt(17, 5), GREEDY)
     assert model.slot_pool.in_use == 0
+
+
+@pytest.mark.parametrize("field", ["steps_per_sync", "prefill_tokens_per_call"])
+def test_loop_options_refuse_a_count_below_one(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+        sj.LoopOptions(**{field: 0})
+
+
+def test_a_long_batch_is_prefilled_in_groups_of_rows_in_order():
+    """``LoopOptions.prefill_tokens_per_call``: consecutive rows, each call within the budget of
+    padded positions (at least one row), every row's adapter with it, logits in row order."""
+    calls = []
+
+    class Runner:
+        def prefill(self, state, slots, prompts, requests, adapters=None):
+            calls.append((list(slots), [len(p) for p in prompts], requests, adapters))
+            return np.asarray(slots, np.float32)[:, None] * np.ones((1, 3)), state + 1
+
+    prompts = [[1] * n for n in (5, 30, 7, 2, 9)]  # the longest pads to 32 positions
+    plist = list("abcde")
+    logits, state = engine._prefill_in_groups(
+        Runner(), 0, prompts, plist, [4, 3, 2, 1, 0], max_tokens=64
+    )
+    assert [c[0] for c in calls] == [[0, 1], [2, 3], [4]]
+    assert [c[2] for c in calls] == [["a", "b"], ["c", "d"], ["e"]]
+    assert [c[3] for c in calls] == [[4, 3], [2, 1], [0]]
+    assert state == 3 and np.asarray(logits)[:, 0].tolist() == [0, 1, 2, 3, 4]
+    calls.clear()
+    engine._prefill_in_groups(Runner(), 0, prompts, plist, None, max_tokens=10)
+    assert [c[0] for c in calls] == [[0], [1], [2], [3], [4]] and calls[0][3] is None

@@ -58,6 +58,10 @@ def test_a_mixed_batch_gives_each_request_its_solo_result(lora_setup):
     mixed = sj.generate_batch(model, prompts, params)
     assert [r.output_tokens for r in mixed] == solo
     assert len({tuple(s) for s in solo[1:4]}) == 3  # the adapters really differ
+    # Prefilled two rows a call (prompts pad to 64 positions), each group with its adapters.
+    two_a_call = sj.LoopOptions(prefill_tokens_per_call=128)
+    grouped = sj.generate_batch(model, prompts, params, loop=two_a_call)
+    assert [r.output_tokens for r in grouped] == solo
     plain = model_from_hf(lora_setup[0])
     base = sj.SamplingParams(temperature=0.0, max_tokens=10)
     assert solo[0] == sj.generate(plain, prompts[0], base).output_tokens

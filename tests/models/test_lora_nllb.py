@@ -105,6 +105,9 @@ def test_a_mixed_greedy_batch_gives_each_request_its_solo_result(lora_setup):
     solo = [sj.generate(model, s, p).output_tokens for s, p in zip(sources, params, strict=True)]
     mixed = sj.generate_batch(model, sources, params)
     assert [r.output_tokens for r in mixed] == solo
+    one_a_call = sj.LoopOptions(prefill_tokens_per_call=1)  # each source encoded on its own
+    grouped = sj.generate_batch(model, sources, params, loop=one_a_call)
+    assert [r.output_tokens for r in grouped] == solo
     base = sj.generate_batch(_model(hf), sources, _greedy_params(None))
     assert [solo[i] for i in (0, 5)] == [base[i].output_tokens for i in (0, 5)]
     assert _changed(solo, [r.output_tokens for r in base]) >= 3  # the adapters really act
