@@ -79,6 +79,7 @@ from benchmarks.common import (
     weight_bytes_per_step,
 )
 from spark_jax.config import ModelConfig
+from spark_jax.serving.scheduler import rung
 
 
 @dataclass(frozen=True)
@@ -229,21 +230,24 @@ def build_engine(plan: Plan, **options: Any) -> tuple[Any, dict[str, float]]:
     return engine, {"init_s": built - start, "warmup_s": time.perf_counter() - built}
 
 
-def bare_decode_seconds(engine: Any, context: int, steps: int = 40) -> float:
-    """The device's time for one decode step at width 1 around ``context`` keys (the engine's
-    own program), dispatched back to back: what a token costs with no serving around it.
-    Each step adds a key, so the run starts half its steps before ``context``. Run while the
-    engine is idle: it writes into pages nobody holds."""
+def bare_decode_seconds(engine: Any, context: int, steps: int = 40, rows: int = 1) -> float:
+    """The device's time for one decode step of ``rows`` rows (a width of the engine's ladder)
+    around ``context`` keys each (the engine's own program), dispatched back to back: what a
+    step costs with no serving around it. Each step adds a key, so the run starts half its
+    steps before ``context``. Run while the engine is idle: it writes into pages nobody holds."""
     from spark_jax.serving.executor import upload
 
     ex = engine.executor
     page, total = ex.state.page_size, steps * 5  # chain_seconds: 2 warm-up + 3 timed rounds
     start = max(1, context - total // 2)
-    table = np.full((1, ex.width_ladder[-1]), ex.num_pages, np.int32)
+    table = np.full((rows, ex.width_ladder[-1]), ex.num_pages, np.int32)
     used = min(table.shape[1], -(-(start + total + 1) // page))
-    table[0, :used] = np.arange(used)
-    tokens, active = upload(np.zeros((1,), np.int32)), upload(np.ones((1,), bool))
-    state = ex.state.with_block_table(upload(table)).with_lengths(upload(np.array([start])))
+    if rows * used > ex.num_pages:
+        raise ValueError(f"{rows} rows of {used} pages do not fit the pool's {ex.num_pages}")
+    table[:, :used] = np.arange(rows * used).reshape(rows, used)
+    tokens, active = upload(np.zeros((rows,), np.int32)), upload(np.ones((rows,), bool))
+    lengths = upload(np.full((rows,), start, np.int32))
+    state = ex.state.with_block_table(upload(table)).with_lengths(lengths)
 
     def step(st: Any) -> Any:
         return ex.runner.decode(st, tokens, active)[1]
@@ -366,12 +370,18 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     """``device_idle``'s figures from one ``.xplane.pb`` file."""
     data = jax.profiler.ProfileData.from_file(path)
     spans, by_name, host = [], collections.Counter(), []
+    modules, module_calls = collections.Counter(), collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
             if plane.name.startswith("/device:") and line.name.startswith("Stream"):
                 for e in line.events:
                     spans.append((e.start_ns, e.start_ns + e.duration_ns))
                     by_name[e.name[:80]] += e.duration_ns
+            elif plane.name.startswith("/device:") and line.name == "XLA Modules":
+                for e in line.events:  # one event per program run: its span on the device
+                    name = e.name.split("(")[0][:80]
+                    modules[name] += e.duration_ns
+                    module_calls[name] += 1
             elif plane.name == "/host:CPU" and line.name == "python":
                 host.extend((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events)
     if not spans:
@@ -402,6 +412,8 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         "gaps": len(gaps),
         "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
+        "programs_ms": {n: ns / 1e6 for n, ns in modules.most_common(12)},
+        "program_runs": {n: module_calls[n] for n, _ in modules.most_common(12)},
         "host_during_idle_ms": {n: ns / 1e6 for n, ns in during.most_common(40)},
     }
 
@@ -517,10 +529,14 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         c: per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
         for c in plan.concurrency
     }
-    if 1 in counts:  # the bare step at the context the C=1 level will see, while idle
-        mean_context = np.mean([len(p) + n / 2 for p, n in requests[: counts[1]]])
-        report.peers["bare_decode_bs1_ms"] = bare_decode_seconds(engine, int(mean_context)) * 1e3
-        print("bare decode bs=1 ms", report.peers["bare_decode_bs1_ms"], file=sys.stderr)
+    for c in sorted({1, plan.profile_concurrency} & set(counts)):
+        # The bare step at the width and mean context the level will see, while idle: C=1's
+        # TPOT target, and at the profiled level what its steps cost with no serving around.
+        mean_context = np.mean([len(p) + n / 2 for p, n in requests[: counts[c]]])
+        width = rung(engine.executor.decode_widths, c)
+        ms = bare_decode_seconds(engine, int(mean_context), rows=width) * 1e3
+        report.peers[f"bare_decode_bs{c}_ms"] = ms
+        print(f"bare decode bs={c} ms", ms, file=sys.stderr)
     hf_tok_s = report.peers.get("hf_static_batches_tok_s")
     gpt_tok_s = report.peers.get("gpt_fast_static_batches_tok_s")
     table = [
@@ -564,6 +580,11 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
                 level["tpot_s"]["p50"] * 1e3,
                 level["tpot_s"]["p99"] * 1e3,
             ]
+        )
+    c = plan.profile_concurrency
+    if f"bare_decode_bs{c}_ms" in report.peers and f"c{c}_tpot_p50_ms" in report.figures:
+        report.ratios[f"bare_step_over_c{c}_tpot"] = ratio(
+            report.peers[f"bare_decode_bs{c}_ms"], report.figures[f"c{c}_tpot_p50_ms"]
         )
     if "bare_decode_bs1_ms" in report.peers and "c1_tpot_p50_ms" in report.figures:
         # > 1 would be a TPOT below the bare step; the target is >= 1 / 1.10.

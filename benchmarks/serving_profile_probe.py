@@ -3,10 +3,12 @@ steps traced, to see what the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64] [--slots 64]
 
-Prints the level's throughput, TPOT and host CPU per step, then ``device_idle``'s figures:
-the idle fraction over the traced steps, the kernels that take the time, and the Python
-functions the host was inside during the device's gaps. With ``$OUT`` set the trace is kept
-there (``serving_trace.xplane.pb``) to be read again with ``serving.idle_of_trace``.
+Prints the bare decode step at the level's width and mean context (device-timed, the
+engine's own program), the level's throughput, TPOT and host CPU per step, then
+``device_idle``'s figures: the idle fraction over the traced steps, the kernels and programs
+that take the time, and the Python functions the host was inside during the device's gaps.
+With ``$OUT`` set the trace is kept there (``serving_trace.xplane.pb``) to be read again with
+``serving.idle_of_trace``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import argparse
 import dataclasses
 import json
 
-from benchmarks.serving import FULL, build_engine, run_level, workload
+import numpy as np
+
+from benchmarks.serving import FULL, bare_decode_seconds, build_engine, run_level, workload
+from spark_jax.serving.scheduler import rung
 
 
 def main() -> None:
@@ -29,6 +34,10 @@ def main() -> None:
     engine, timings = build_engine(plan)
     print("engine", json.dumps(timings), flush=True)
     requests = workload(plan)[: args.requests]
+    width = rung(engine.executor.decode_widths, args.concurrency)
+    context = int(np.mean([len(p) + n / 2 for p, n in requests]))
+    bare = bare_decode_seconds(engine, context, rows=width) * 1e3
+    print(f"bare decode step, {width} rows, ~{context} keys: {bare:.2f} ms", flush=True)
     # Past the first admissions' prefills, before the queue runs dry.
     level = run_level(engine, requests, args.concurrency, (args.requests, args.traced_steps))
     level.pop("lengths", None)
