@@ -24,14 +24,17 @@ Shared-prefix workload: every request is one 1,000-token system prompt, then a 6
 question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
 on) and once on a second engine with it off (same shapes: nothing compiles again).
 
-Per level: output tokens/s (tokens of finished requests / wall time), TTFT (submit to first
-token) and TPOT ((finish - first token) / (tokens - 1)), p50 and p99; the host's CPU time per
-output token and per engine step (the driving thread's: waits on the device take none); the
-workload's roofline: the decode steps it needs (output tokens / C) each reading the weights
-once, every generated token reading its context's keys and values once, at the read ceiling,
-plus its prompts' FLOPs at the matmul rate, both ceilings measured in this run. At C=1 the TPOT is
-compared with the bare decode step at one row and the level's mean context (device-timed);
-at C=64 a profile of 24 steps gives the device's idle fraction.
+Per level: output tokens/s (tokens of finished requests / wall time) and in the steady state
+(every client's request in flight: from the first finish to the last submit; the whole run also
+counts the drain, where fewer than C requests remain), TTFT (submit to first token) and TPOT
+((finish - first token) / (tokens - 1)), p50 and p99; the host's CPU time per output token and
+per engine step (the driving thread's: waits on the device take none); the workload's roofline:
+the decode steps it needs (output tokens / C) each reading the weights once, every generated
+token reading its context's keys and values once, at the read ceiling, plus its prompts' FLOPs
+at the matmul rate, both ceilings measured in this run. At C=1 and at the profiled level (C=64)
+the TPOT is compared with the bare decode step at that width and the level's mean context
+(device-timed); at C=64 a profile of 24 steps gives the device's idle fraction and each
+program's device time.
 
 Peers, each in a child process run first so torch and JAX never share GPU memory: HF
 ``LlamaForCausalLM`` (torch, bf16, sdpa) with ``generate`` over static batches of
@@ -105,6 +108,10 @@ class Plan:
     min_chunk: int = 128
     min_decode_pages: int = 32
     num_scheduler_steps: int = 1  # decode steps per device call when a step only decodes
+    # The page pool: this share of the device's memory (vLLM's default is 0.9). One row of
+    # max_model_len per slot (the engine's default without it) is 69 GB at 256 slots: more
+    # than an 80 GB H100 holds beside the weights.
+    gpu_memory_utilization: float | None = 0.85
     hf_batch: int = 64
     hf_requests: int = 128
     dtype: str = "bfloat16"
@@ -120,9 +127,14 @@ class Plan:
         """Requests of an HTTP comparison level (and of its direct twin)."""
         return min(self.requests, max(16, 2 * concurrency))
 
-    def engine_kwargs(self) -> dict[str, int]:
+    def engine_kwargs(self) -> dict[str, int | float]:
         """``sj.Engine`` keyword arguments of this plan's engine."""
-        return dict(
+        pool = (
+            {}
+            if self.gpu_memory_utilization is None
+            else {"gpu_memory_utilization": self.gpu_memory_utilization}
+        )
+        return pool | dict(
             max_num_seqs=self.engine_slots,
             max_batch_tokens=self.max_batch_tokens,
             page_size=self.page_size,
@@ -152,6 +164,7 @@ SMALL = Plan(
     hf_batch=8,
     hf_requests=8,
     dtype="float32",  # the CPU backend has no bf16 x bf16 -> f32 batched dot
+    gpu_memory_utilization=None,  # the CPU reports no memory limit: a row per slot
     shared_prefix=100,
     question=8,
     answer=8,
@@ -269,6 +282,7 @@ def run_level(
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
     done: list[dict[str, float]] = []
+    emitted: list[tuple[float, int]] = []  # (time, tokens) of each step's outputs
     trace_dir, steps, host_cpu = None, 0, 0.0
     start = time.perf_counter()
     while queue or inflight:
@@ -286,6 +300,7 @@ def run_level(
         steps += 1
         if trace_dir and steps == profile_steps[0] + profile_steps[1]:
             jax.profiler.stop_trace()
+        emitted.append((time.perf_counter(), sum(len(out.new_token_ids) for out in outputs)))
         for out in outputs:
             now = time.perf_counter()
             record = inflight[out.request_id]
@@ -294,6 +309,7 @@ def run_level(
                 record["end"], record["tokens"] = now, len(out.result.output_tokens)
                 done.append(inflight.pop(out.request_id))
     level = summary(done, time.perf_counter() - start, concurrency)
+    level |= steady_state(emitted, done)
     level["engine_steps"] = steps
     level["host_cpu_ms_per_step"] = host_cpu / steps * 1e3
     level["host_cpu_us_per_token"] = host_cpu / level["output_tokens"] * 1e6
@@ -319,6 +335,24 @@ def summary(done: list[dict[str, float]], wall: float, concurrency: int) -> dict
         "lengths": [(int(r["prompt"]), int(r["tokens"])) for r in done],
         "mean_context": float(np.mean([r["prompt"] + r["tokens"] / 2 for r in done])),
     }
+
+
+def steady_state(emitted: list[tuple[float, int]], done: list[dict[str, float]]) -> dict:
+    """Output tokens/s while every client has a request in flight: from the first finish
+    (before it, all requests started together and their prefills bunch) to the last submit
+    (after it, the queue is dry and the level drains at falling concurrency). A closed loop of
+    a few requests per client spends a large share of its wall time draining: at C=64 over
+    256 of the workload's requests, full-width steps alone give at most ~66% of C tokens a
+    step over the whole run (``benchmarks/NOTES.md``). ``emitted``: (time, tokens) per engine
+    step; ``done``: the finished requests' records. Empty when the window is (the queue never
+    waited)."""
+    first_finish = min(r["end"] for r in done)
+    last_submit = max(r["submit"] for r in done)
+    if last_submit <= first_finish:
+        return {}
+    tokens = sum(n for t, n in emitted if first_finish < t <= last_submit)
+    window = last_submit - first_finish
+    return {"steady_window_s": window, "steady_output_tok_s": tokens / window}
 
 
 def http_levels(engine: Any, plan: Plan, requests: list, report: Report) -> list[list[Any]]:
@@ -543,6 +577,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         [
             "C",
             "tok/s",
+            "steady tok/s",
             "roofline",
             "x HF",
             "x gpt-fast",
@@ -559,6 +594,11 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         report.details[f"c{c}"] = level
         progress(f"C={c}", level)
         report.figures[f"c{c}_tok_s"] = level["output_tok_s"]
+        if "steady_output_tok_s" in level:
+            report.figures[f"c{c}_steady_tok_s"] = level["steady_output_tok_s"]
+            report.ratios[f"c{c}_steady_of_roofline"] = ratio(
+                level["steady_output_tok_s"], level["roofline"]["tok_s"]
+            )
         report.figures[f"c{c}_tpot_p50_ms"] = level["tpot_s"]["p50"] * 1e3
         report.figures[f"c{c}_host_cpu_us_per_token"] = level["host_cpu_us_per_token"]
         report.peers[f"c{c}_roofline_tok_s"] = level["roofline"]["tok_s"]
@@ -573,6 +613,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
             [
                 c,
                 level["output_tok_s"],
+                level.get("steady_output_tok_s", ""),
                 level["roofline"]["tok_s"],
                 report.ratios[f"c{c}_over_hf"],
                 report.ratios[f"c{c}_over_gpt_fast"],
@@ -611,7 +652,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         report.figures[f"shared_prefix_cache_{name}_ttft_p50_ms"] = level["ttft_s"]["p50"] * 1e3
         report.figures[f"shared_prefix_cache_{name}_tok_s"] = level["output_tok_s"]
         ttft, tpot = level["ttft_s"]["p50"] * 1e3, level["tpot_s"]["p50"] * 1e3
-        table.append(["shared prefix", f"cache {name}", "", "", "", ttft, tpot, ""])
+        table.append(["shared prefix", f"cache {name}", "", "", "", "", ttft, tpot, ""])
     report.ratios["shared_prefix_ttft_off_over_on"] = ratio(
         off["ttft_s"]["p50"], on["ttft_s"]["p50"]
     )

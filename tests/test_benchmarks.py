@@ -45,7 +45,25 @@ def test_attention(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_serving(tmp_path: Path) -> None:
     line = run_suite("serving", tmp_path, "--no-peer")
-    assert {"c1_tok_s", "c8_tok_s"} <= line["figures"].keys()
+    assert {"c1_tok_s", "c8_tok_s", "c1_steady_tok_s", "c8_steady_tok_s"} <= line["figures"].keys()
+    assert {"bare_decode_bs1_ms", "bare_decode_bs8_ms"} <= line["peers"].keys()
+
+
+def test_serving_steady_state_leaves_out_the_start_and_the_drain() -> None:
+    from benchmarks.serving import steady_state
+
+    # Two clients; the queue runs dry at t=4 (last submit), the first finish is at t=1.
+    done = [
+        {"submit": 0.0, "end": 1.0},
+        {"submit": 0.0, "end": 3.0},
+        {"submit": 1.0, "end": 6.0},
+        {"submit": 4.0, "end": 9.0},
+    ]
+    emitted = [(0.5, 100), (1.0, 2), (2.0, 2), (3.0, 2), (4.0, 2), (5.0, 1), (9.0, 1)]
+    steady = steady_state(emitted, done)
+    assert steady == {"steady_window_s": 3.0, "steady_output_tok_s": 6 / 3.0}
+    # Every request submitted at the start: no client ever waited, no steady window.
+    assert steady_state(emitted, [{"submit": 0.0, "end": 1.0}, {"submit": 0.0, "end": 2.0}]) == {}
 
 
 @pytest.mark.slow
