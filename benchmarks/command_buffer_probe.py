@@ -67,7 +67,7 @@ def main() -> None:
     )
     programs = {"one": decoder.decode, "two": twin}
 
-    @partial(jax.jit, donate_argnums=(0,))
+    @partial(jax.jit, donate_argnums=(0,), keep_unused=True)  # kept: its buffers are reused
     def refill(previous: tuple, packed: jax.Array) -> tuple:
         """New values in the donated buffers of the last step's inputs (same addresses)."""
         del previous
