@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,15 +106,27 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     return jnp.take(last_tokens, row_slots, mode="clip")
 
 
-@partial(jax.jit, static_argnames=("packing",))
+@partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
 def _decode_inputs(
-    last_tokens: jax.Array, inputs: jax.Array, packing: Packing
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    held: DecodeInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
+) -> tuple[DecodeInputs, tuple[jax.Array, ...]]:
     """A decode step's host inputs from their one buffer (``spark_jax.serving.packing``): the
     rows' slots, block table, lengths, activity and generated counts; and each row's input
-    token, its slot's last token."""
+    token, its slot's last token.
+
+    The decode program's own inputs (tokens, activity, block table, lengths) are written into
+    the buffers of ``held``, the last step's at this width, donated (so kept even if this
+    program does not read them): the decode then sees the same addresses every step. XLA
+    keeps a program's kernels as a CUDA graph and re-records it whenever an argument moves:
+    on an H100, a 32-layer decode step of 64 rows with new argument buffers took 7.2 ms of
+    host time to dispatch against 1.6 ms with them in place (``benchmarks/NOTES.md``). The
+    pick gets its rows in buffers of their own (its activity too: ``held``'s is donated
+    again next step, and a donated buffer that a queued program still reads can stall the
+    host)."""
+    del held
     row_slots, table, lengths, active, generated = unpack(inputs, packing)
-    return _gather_tokens(last_tokens, row_slots), (row_slots, table, lengths, active, generated)
+    tokens = _gather_tokens(last_tokens, row_slots)
+    return DecodeInputs(tokens, active, table, lengths), (row_slots, active, generated)
 
 
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("token_counts",))
@@ -153,6 +165,27 @@ def _set_rows(
     prompt_mask = prompt_mask.at[slots].set(mask, mode="drop")
     put = lambda whole, new: whole.at[slots].set(new, mode="drop")
     return token_counts, prompt_mask, jax.tree.map(put, by_slot, settings)
+
+
+class DecodeInputs(NamedTuple):
+    """The decode program's per-step inputs, kept at fixed addresses per width
+    (``_decode_inputs``)."""
+
+    tokens: jax.Array  # int32[B]: each row's input token
+    active: jax.Array  # bool[B]: real rows
+    block_table: jax.Array  # int32[B, W]
+    lengths: jax.Array  # int32[B]: keys before this step's
+
+    @staticmethod
+    def zeros(rows: int, width: int, mesh: Mesh | None) -> DecodeInputs:
+        """Buffers for a width's first step (committed, as a step's outputs are)."""
+        host = np.zeros((rows,), np.int32)
+        return commit(DecodeInputs(host, host != 0, np.zeros((rows, width), np.int32), host), mesh)
+
+    def deleted(self) -> bool:
+        """Whether a program took any of them (a decode run outside ``_decode``, such as
+        warm-up's, donates the block table and lengths with its cache)."""
+        return any(x.is_deleted() for x in self)
 
 
 @dataclass
@@ -736,6 +769,8 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
+        # The decode program's inputs by block-table shape [rows, width] (``_decode_inputs``).
+        self._held: dict[tuple[int, ...], DecodeInputs] = {}
         # ``keep_hidden`` (a draft head's engine): every prefill, decode and verify step
         # writes its final hidden states here, [slot, position, D], for the head to read.
         self.hidden_rows: jax.Array | None = None
@@ -855,10 +890,14 @@ class PagedExecutor:
             return self._verify(rows, seqs, host, adapters)
         host = (row_slots, table, lengths, active, generated)
         starts = lengths
-        tokens, (row_slots, table, lengths, active, generated) = self._upload_decode_inputs(host)
-        state = self.state.with_block_table(table).with_lengths(lengths)
+        held, (row_slots, active, generated) = self._upload_decode_inputs(host)
+        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
         out, self.state = self.runner.decode(
-            state, tokens, active, **self._lora(adapters), **self._hidden()
+            state, held.tokens, held.active, **self._lora(adapters), **self._hidden()
+        )
+        # The cache's table and lengths come back in the donated buffers: keep them.
+        self._held[held.block_table.shape] = held._replace(
+            block_table=self.state.block_table, lengths=self.state.lengths
         )
         logits = self._keep(out, host[0], starts)
         if before_pick is not None:
@@ -867,12 +906,21 @@ class PagedExecutor:
 
     def _upload_decode_inputs(
         self, host: tuple[np.ndarray, ...]
-    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    ) -> tuple[DecodeInputs, tuple[jax.Array, ...]]:
         """A decode step's host inputs (slots, block table, lengths, activity, generated
         counts) on the device in one transfer (each array a transfer of its own cost the host
-        more than the rest of the dispatch), with the rows' input tokens."""
+        more than the rest of the dispatch): the decode program's in the buffers its last
+        step at this width used (``_decode_inputs``), and the pick's rows."""
         buffer, packing = pack(host)
-        return _decode_inputs(self.sampler.last_tokens, jax.device_put(buffer), packing)
+        shape = host[1].shape  # the block table's: [rows, width]
+        held = self._held.pop(shape, None)
+        if held is None or held.deleted():
+            held = DecodeInputs.zeros(*shape, self.mesh)
+        held, pick_rows = _decode_inputs(
+            held, self.sampler.last_tokens, jax.device_put(buffer), packing
+        )
+        self._held[shape] = held
+        return held, pick_rows
 
     def _chunk(
         self, num_steps: int, seqs: list[SequenceState | None], host: tuple[np.ndarray, ...]
@@ -1013,9 +1061,9 @@ class PagedExecutor:
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
                 return (state, tokens, upload(zeros)), kwargs
             # The decode's inputs as a run uploads them.
-            tokens, (_, table, lengths, active, _) = self._upload_decode_inputs(host)
-            state = self.state.with_block_table(table).with_lengths(lengths)
-            return (state, tokens, active), kwargs
+            held, _ = self._upload_decode_inputs(host)
+            state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
+            return (state, held.tokens, held.active), kwargs
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
