@@ -340,12 +340,12 @@ def summary(done: list[dict[str, float]], wall: float, concurrency: int) -> dict
 def steady_state(emitted: list[tuple[float, int]], done: list[dict[str, float]]) -> dict:
     """Output tokens/s while every client has a request in flight: from the first finish
     (before it, all requests started together and their prefills bunch) to the last submit
-    (after it, the queue is dry and the level drains at falling concurrency). A closed loop of
-    a few requests per client spends a large share of its wall time draining: at C=64 over
-    256 of the workload's requests, full-width steps alone give at most ~66% of C tokens a
-    step over the whole run (``benchmarks/NOTES.md``). ``emitted``: (time, tokens) per engine
-    step; ``done``: the finished requests' records. Empty when the window is (the queue never
-    waited)."""
+    (after it, the queue is dry and the level drains at falling concurrency). The drain is a
+    third of a level's steps at C=64 over 256 of the workload's requests, but its steps are
+    narrow and quick: on an H100 the whole run read within 1-2% of the steady state
+    (``benchmarks/NOTES.md``). ``emitted``: (time, tokens) per engine step; ``done``: the
+    finished requests' records. Empty when there is no such window (every request was
+    submitted at the start)."""
     first_finish = min(r["end"] for r in done)
     last_submit = max(r["submit"] for r in done)
     if last_submit <= first_finish:
@@ -404,18 +404,15 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     """``device_idle``'s figures from one ``.xplane.pb`` file."""
     data = jax.profiler.ProfileData.from_file(path)
     spans, by_name, host = [], collections.Counter(), []
-    modules, module_calls = collections.Counter(), collections.Counter()
+    modules = collections.Counter()  # kernel time by the program that ran the kernel
     for plane in data.planes:
         for line in plane.lines:
             if plane.name.startswith("/device:") and line.name.startswith("Stream"):
                 for e in line.events:
                     spans.append((e.start_ns, e.start_ns + e.duration_ns))
                     by_name[e.name[:80]] += e.duration_ns
-            elif plane.name.startswith("/device:") and line.name == "XLA Modules":
-                for e in line.events:  # one event per program run: its span on the device
-                    name = e.name.split("(")[0][:80]
-                    modules[name] += e.duration_ns
-                    module_calls[name] += 1
+                    program = dict(e.stats).get("hlo_module", "(no program)")
+                    modules[str(program)[:80]] += e.duration_ns
             elif plane.name == "/host:CPU" and line.name == "python":
                 host.extend((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events)
     if not spans:
@@ -432,7 +429,9 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     total = max(b for _, b in spans) - spans[0][0]
     top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
     during, gap_starts = collections.Counter(), [a for a, _ in gaps]
+    host_total = collections.Counter()  # whatever the device did meanwhile
     for start, end, name in host:
+        host_total[name[:100]] += end - start
         i = max(bisect.bisect_right(gap_starts, start) - 1, 0)  # the gaps are sorted, disjoint
         while i < len(gaps) and gaps[i][0] < end:
             a, b = gaps[i]
@@ -447,8 +446,10 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
         "programs_ms": {n: ns / 1e6 for n, ns in modules.most_common(12)},
-        "program_runs": {n: module_calls[n] for n, _ in modules.most_common(12)},
         "host_during_idle_ms": {n: ns / 1e6 for n, ns in during.most_common(40)},
+        # A host function long here but short above waited on the device (a blocking read,
+        # or a donated buffer that a queued program still reads).
+        "host_total_ms": {n: ns / 1e6 for n, ns in host_total.most_common(40)},
     }
 
 
