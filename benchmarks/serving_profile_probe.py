@@ -8,7 +8,8 @@ engine's own program), the level's throughput, TPOT and host CPU per step, then
 ``device_idle``'s figures: the idle fraction over the traced steps, the kernels and programs
 that take the time, and the Python functions the host was inside during the device's gaps.
 With ``$OUT`` set the trace is kept there (``serving_trace.xplane.pb``) to be read again with
-``serving.idle_of_trace``.
+``serving.idle_of_trace``. Its throughput and TPOT count the profiler's start and stop (seconds):
+take those from the suite, which profiles in a pass of its own.
 """
 
 from __future__ import annotations
