@@ -106,6 +106,31 @@ def _gather_tokens(last_tokens: jax.Array, row_slots: jax.Array) -> jax.Array:
     return jnp.take(last_tokens, row_slots, mode="clip")
 
 
+class DecodeInputs(NamedTuple):
+    """The decode program's per-step inputs, kept at fixed addresses per width
+    (``_decode_inputs``)."""
+
+    tokens: jax.Array  # int32[B]: each row's input token
+    active: jax.Array  # bool[B]: real rows
+    block_table: jax.Array  # int32[B, W]
+    lengths: jax.Array  # int32[B]: keys before this step's
+
+    @staticmethod
+    def zeros(rows: int, width: int, mesh: Mesh | None) -> DecodeInputs:
+        """Buffers for a width's first step (committed, as a step's outputs are)."""
+        row = lambda dtype: np.zeros((rows,), dtype)
+        held = DecodeInputs(
+            row(np.int32), row(bool), np.zeros((rows, width), np.int32), row(np.int32)
+        )
+        return commit(held, mesh)
+
+    def deleted(self) -> bool:
+        """Whether a program took any of them (warm-up's decode inputs are donated and not
+        kept; a decode run outside ``_decode`` donates the table and lengths with its
+        cache)."""
+        return any(x.is_deleted() for x in self)
+
+
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
 def _decode_inputs(
     held: DecodeInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
@@ -165,27 +190,6 @@ def _set_rows(
     prompt_mask = prompt_mask.at[slots].set(mask, mode="drop")
     put = lambda whole, new: whole.at[slots].set(new, mode="drop")
     return token_counts, prompt_mask, jax.tree.map(put, by_slot, settings)
-
-
-class DecodeInputs(NamedTuple):
-    """The decode program's per-step inputs, kept at fixed addresses per width
-    (``_decode_inputs``)."""
-
-    tokens: jax.Array  # int32[B]: each row's input token
-    active: jax.Array  # bool[B]: real rows
-    block_table: jax.Array  # int32[B, W]
-    lengths: jax.Array  # int32[B]: keys before this step's
-
-    @staticmethod
-    def zeros(rows: int, width: int, mesh: Mesh | None) -> DecodeInputs:
-        """Buffers for a width's first step (committed, as a step's outputs are)."""
-        host = np.zeros((rows,), np.int32)
-        return commit(DecodeInputs(host, host != 0, np.zeros((rows, width), np.int32), host), mesh)
-
-    def deleted(self) -> bool:
-        """Whether a program took any of them (a decode run outside ``_decode``, such as
-        warm-up's, donates the block table and lengths with its cache)."""
-        return any(x.is_deleted() for x in self)
 
 
 @dataclass
@@ -895,7 +899,8 @@ class PagedExecutor:
         out, self.state = self.runner.decode(
             state, held.tokens, held.active, **self._lora(adapters), **self._hidden()
         )
-        # The cache's table and lengths come back in the donated buffers: keep them.
+        # Kept for the next step at this shape; the cache hands its table and lengths back in
+        # the buffers it took.
         self._held[held.block_table.shape] = held._replace(
             block_table=self.state.block_table, lengths=self.state.lengths
         )
@@ -912,15 +917,10 @@ class PagedExecutor:
         more than the rest of the dispatch): the decode program's in the buffers its last
         step at this width used (``_decode_inputs``), and the pick's rows."""
         buffer, packing = pack(host)
-        shape = host[1].shape  # the block table's: [rows, width]
-        held = self._held.pop(shape, None)
+        held = self._held.get(host[1].shape)  # by the block table's shape: [rows, width]
         if held is None or held.deleted():
-            held = DecodeInputs.zeros(*shape, self.mesh)
-        held, pick_rows = _decode_inputs(
-            held, self.sampler.last_tokens, jax.device_put(buffer), packing
-        )
-        self._held[shape] = held
-        return held, pick_rows
+            held = DecodeInputs.zeros(*host[1].shape, self.mesh)
+        return _decode_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
 
     def _chunk(
         self, num_steps: int, seqs: list[SequenceState | None], host: tuple[np.ndarray, ...]
