@@ -54,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--requests", type=int, default=None, help="serving: finished requests per level"
     )
     parser.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serving: decode steps per device call when a step only decodes (default: the plan's)",
+    )
+    parser.add_argument(
         "--http",
         action="store_true",
         help="serving: the engine directly and through the HTTP server, side by side",
@@ -144,6 +151,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--concurrency", *map(str, args.concurrency)]
     if args.requests:
         out += ["--requests", str(args.requests)]
+    if args.num_scheduler_steps:
+        out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.http:
         out += ["--http"]
     if args.quantize:
@@ -162,6 +171,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["concurrency"] = tuple(args.concurrency)
     if args.requests:
         out["requests"] = args.requests
+    if args.num_scheduler_steps:
+        out["num_scheduler_steps"] = args.num_scheduler_steps
     if args.http:
         out["http"] = True
     if args.quantize:

@@ -1,15 +1,18 @@
-"""Probe (kept out of the suites): one serving level of ``benchmarks/serving.py`` with its
-steps traced, to see what the host does while the device idles.
+"""Probe (kept out of the suites): one serving level of ``benchmarks/serving.py`` on one engine,
+once per decode-steps-per-call setting, each then profiled in a pass of its own, to see what
+the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64] [--slots 64]
+        [--num-scheduler-steps 1 4] [--tiny]
 
 Prints the bare decode step at the level's width and mean context (device-timed, the
-engine's own program), the level's throughput, TPOT and host CPU per step, then
-``device_idle``'s figures: the idle fraction over the traced steps, the kernels and programs
-that take the time, and the Python functions the host was inside during the device's gaps.
-With ``$OUT`` set the trace is kept there (``serving_trace.xplane.pb``) to be read again with
-``serving.idle_of_trace``. Its throughput and TPOT count the profiler's start and stop (seconds):
-take those from the suite, which profiles in a pass of its own.
+engine's own program); then per setting (the engine is built for the largest, its
+multi-step programs compiled, and runs one step per call for 1) the level's throughput,
+steady-state throughput, TPOT and host CPU per step, and ``profiled_idle``'s figures: the
+idle fraction over the traced steps, the kernels and programs that take the time, and the
+Python functions the host was inside (during the device's gaps and in all). With ``$OUT``
+set the last trace is kept there (``serving_trace.xplane.pb``) to be read again with
+``serving.idle_of_trace``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ import json
 
 import numpy as np
 
-from benchmarks.serving import FULL, bare_decode_seconds, build_engine, run_level, workload
+from benchmarks.serving import (
+    FULL,
+    SMALL,
+    bare_decode_seconds,
+    build_engine,
+    profiled_idle,
+    run_level,
+    workload,
+)
 from spark_jax.serving.scheduler import rung
 
 
@@ -29,9 +40,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")
     parser.add_argument("--requests", type=int, default=192)
-    parser.add_argument("--traced-steps", type=int, default=24)
+    parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
+    parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
-    plan = dataclasses.replace(FULL, engine_slots=args.slots, requests=args.requests)
+    most = max(args.num_scheduler_steps)
+    plan = dataclasses.replace(
+        SMALL if args.tiny else FULL,
+        engine_slots=args.slots,
+        requests=args.requests,
+        num_scheduler_steps=most,
+    )
     engine, timings = build_engine(plan)
     print("engine", json.dumps(timings), flush=True)
     requests = workload(plan)[: args.requests]
@@ -39,13 +57,17 @@ def main() -> None:
     context = int(np.mean([len(p) + n / 2 for p, n in requests]))
     bare = bare_decode_seconds(engine, context, rows=width) * 1e3
     print(f"bare decode step, {width} rows, ~{context} keys: {bare:.2f} ms", flush=True)
-    # Past the first admissions' prefills, before the queue runs dry.
-    level = run_level(engine, requests, args.concurrency, (args.requests, args.traced_steps))
-    level.pop("lengths", None)
-    idle = level.pop("device_idle", {})
-    keys = ("output_tok_s", "tpot_s", "ttft_s", "engine_steps", "host_cpu_ms_per_step")
-    print(json.dumps({k: level.get(k) for k in keys}, indent=1))
-    print(json.dumps(idle, indent=1))
+    keys = ("output_tok_s", "steady_output_tok_s", "tpot_s", "ttft_s", "engine_steps")
+    keys += ("host_cpu_ms_per_step", "host_cpu_us_per_token")
+    for steps in args.num_scheduler_steps:
+        engine.num_scheduler_steps = steps  # the chunk's programs are compiled for ``most``
+        calls = engine.executor.num_multi_step_calls
+        level = run_level(engine, requests, args.concurrency)
+        figures = {k: level.get(k) for k in keys}
+        figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
+        print(f"steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
+        idle = profiled_idle(engine, requests, args.concurrency)
+        print(f"steps per call {steps}, profiled:", json.dumps(idle, indent=1), flush=True)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,36 @@ def decode(
     return ((logits, hidden) if with_hidden else logits), kv
 
 
+@partial(
+    jax.jit,
+    static_argnames=("config", "options", "with_hidden"),
+    donate_argnames=("tokens", "active", "kv"),
+)
+def decode_returning_inputs(
+    params,
+    config: ModelConfig,
+    tokens,
+    active,
+    kv: KVCache,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
+    with_hidden: bool = False,
+) -> tuple[tuple[jax.Array, jax.Array], Any, KVCache]:
+    """``decode`` that takes its tokens and activity too (donated) and hands them back
+    unchanged in the same buffers, first: ((tokens, active), logits, cache).
+
+    For the serving engine, which writes each step's inputs into the last step's buffers (a
+    program's CUDA graph is re-recorded when an argument moves): it then donates buffers
+    this program returned, never ones a queued program still reads, which makes the host
+    wait for that program. They come first because jit pairs each output with the first
+    donated input of its shape and dtype: after the cache, the lengths (int32[B]) would take
+    the tokens' buffer."""
+    hidden = {"with_hidden": True} if with_hidden else {}
+    out, kv = decode(params, config, tokens, active, kv, lora, options=options, **hidden)
+    return (tokens, active), out, kv
+
+
 def _decode_rows(
     params, tokens, active, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
 ):
@@ -592,13 +622,14 @@ class Runner:
         active: jax.Array,
         adapters: Sequence[int] | None = None,
         with_hidden: bool = False,
-    ) -> tuple[Any, KVCache]:
-        """``with_hidden``: (logits, hidden states [B, 1, D]) in place of the logits."""
-        lora = self._lora(adapters)
-        hidden = {"with_hidden": True} if with_hidden else {}
-        return decode(
-            self.params, self.config, tokens, active, state, lora, options=self.options, **hidden
-        )
+        returning_inputs: bool = False,
+    ) -> Any:
+        """``with_hidden``: (logits, hidden states [B, 1, D]) in place of the logits.
+        ``returning_inputs``: ((tokens, active), logits, cache), the tokens and activity
+        donated and handed back in their buffers (``decode_returning_inputs``)."""
+        step = decode_returning_inputs if returning_inputs else decode
+        args, kwargs = self._decode_args(state, tokens, active, adapters, with_hidden)
+        return step(*args, **kwargs)
 
     def lower_decode(
         self,
@@ -607,13 +638,24 @@ class Runner:
         active: jax.Array,
         adapters: Sequence[int] | None = None,
         with_hidden: bool = False,
+        returning_inputs: bool = False,
     ) -> jax.stages.Lowered:
         """``decode``'s program for these inputs, traced but neither compiled nor run."""
-        lora = self._lora(adapters)
-        hidden = {"with_hidden": True} if with_hidden else {}
-        return decode.lower(
-            self.params, self.config, tokens, active, state, lora, options=self.options, **hidden
-        )
+        step = decode_returning_inputs if returning_inputs else decode
+        args, kwargs = self._decode_args(state, tokens, active, adapters, with_hidden)
+        return step.lower(*args, **kwargs)
+
+    def _decode_args(
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        active: jax.Array,
+        adapters: Sequence[int] | None,
+        with_hidden: bool,
+    ) -> tuple[tuple, dict[str, Any]]:
+        """A decode step's positional and keyword arguments."""
+        kwargs = {"options": self.options} | ({"with_hidden": True} if with_hidden else {})
+        return (self.params, self.config, tokens, active, state, self._lora(adapters)), kwargs
 
     def verify(
         self,

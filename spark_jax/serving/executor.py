@@ -131,6 +131,38 @@ class DecodeInputs(NamedTuple):
         return any(x.is_deleted() for x in self)
 
 
+class ChunkRows(NamedTuple):
+    """A multi-step decode's rows (``_decode_chunk``)."""
+
+    tokens: jax.Array  # int32[B]: each row's first input token
+    row_slots: jax.Array  # int32[B]: each row's slot (padding rows: S, out of range)
+    row_steps: jax.Array  # int32[B]: the steps each row runs (0: padding)
+    generated: jax.Array  # int32[B]: tokens each row generated before
+
+
+class ChunkInputs(NamedTuple):
+    """A multi-step decode's per-call inputs, kept at fixed addresses per shape as the
+    decode's are (``_chunk_inputs``): the chunk is one CUDA graph, its loop included,
+    re-recorded whenever an argument moves."""
+
+    rows: ChunkRows
+    block_table: jax.Array  # int32[B, W]
+    lengths: jax.Array  # int32[B]: keys before the call's
+
+    @staticmethod
+    def zeros(rows: int, width: int, mesh: Mesh | None) -> ChunkInputs:
+        """Buffers for a shape's first call (committed, as a call's outputs are)."""
+        row = lambda: np.zeros((rows,), np.int32)
+        held = ChunkInputs(
+            ChunkRows(row(), row(), row(), row()), np.zeros((rows, width), np.int32), row()
+        )
+        return commit(held, mesh)
+
+    def deleted(self) -> bool:
+        """Whether a program took any of them (``DecodeInputs.deleted``)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self))
+
+
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
 def _decode_inputs(
     held: DecodeInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
@@ -152,6 +184,26 @@ def _decode_inputs(
     row_slots, table, lengths, active, generated = unpack(inputs, packing)
     tokens = _gather_tokens(last_tokens, row_slots)
     return DecodeInputs(tokens, active, table, lengths), (row_slots, active, generated)
+
+
+@partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
+def _chunk_inputs(
+    held: ChunkInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
+) -> ChunkInputs:
+    """A multi-step decode's host inputs (rows' slots, block table, lengths, steps and
+    generated counts) from their one buffer, and each row's first token, written into the
+    buffers of ``held`` (donated), as ``_decode_inputs`` writes the decode's."""
+    del held
+    row_slots, table, lengths, row_steps, generated = unpack(inputs, packing)
+    tokens = _gather_tokens(last_tokens, row_slots)
+    return ChunkInputs(ChunkRows(tokens, row_slots, row_steps, generated), table, lengths)
+
+
+@jax.jit
+def _set_last_tokens(last_tokens: jax.Array, row_slots: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Each row's last token into its slot (padding rows' slots are out of range: dropped).
+    The last tokens are not donated, as in ``_pick_rows``."""
+    return last_tokens.at[row_slots].set(tokens, mode="drop")
 
 
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("token_counts",))
@@ -411,7 +463,7 @@ CHUNK_RULE = Sampling(
 @partial(
     jax.jit,
     static_argnames=("fn", "rule", "num_steps"),
-    donate_argnames=("state", "counts"),
+    donate_argnames=("state", "inputs", "counts"),
     compiler_options=DEVICE_LOOP_OPTIONS,
 )
 def _decode_chunk(
@@ -420,40 +472,39 @@ def _decode_chunk(
     num_steps: int,
     params: Any,
     state: PagedKVCache,
-    row_slots: jax.Array,
-    row_steps: jax.Array,
-    num_generated: jax.Array,
+    inputs: ChunkRows,
     by_slot: SampleRows,
     counts: jax.Array,
-    last_tokens: jax.Array,
-) -> tuple[PagedKVCache, jax.Array, jax.Array, Chunk]:
-    """``num_steps`` decode steps and picks of rows ``row_slots[b]`` in one device call (the
-    generation core's step in a loop, as its ``chunk_loop`` runs it with a fixed count):
-    their last tokens, counts and settings gathered from their slots, the counts and last
-    tokens written back after (padding rows name slot ``S``: dropped), as ``num_steps``
-    serving steps of ``_gather_tokens``, the decode and ``_pick_rows`` would.
+) -> tuple[PagedKVCache, ChunkRows, jax.Array, tuple[jax.Array, jax.Array], Chunk]:
+    """``num_steps`` decode steps and picks of rows ``inputs.row_slots[b]`` in one device call
+    (the generation core's step in a loop, as its ``chunk_loop`` runs it with a fixed count):
+    their counts and settings gathered from their slots, the counts written back after
+    (padding rows name slot ``S``: dropped), as ``num_steps`` serving steps of the decode and
+    ``_pick_rows`` would. Returns the cache, ``inputs`` (donated, handed back in their
+    buffers: see ``decode_returning_inputs``; the cache comes first, its lengths before the
+    rows'), the counts, (each row's last token, a copy of the rows' slots) for the slots'
+    last tokens (``_set_last_tokens``, which reads no buffer the next call donates) and the
+    record.
 
     Row b runs its first ``row_steps[b]`` steps (0: padding) whatever it picks: a stop id
     does not stop it here, as it does not stop a serving step's row before the host reads
     it (the host drops what follows). So the keys the host counts computed are the keys
-    written, and a page the prefix cache registers holds what its key says.
-
-    The last tokens are not donated, as in ``_pick_rows``."""
+    written, and a page the prefix cache registers holds what its key says."""
+    row_slots = inputs.row_slots
     take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
     rows = jax.tree.map(take, by_slot)
-    carry = Carry(state, take(last_tokens), row_steps > 0, num_generated, take(counts))
+    carry = Carry(state, inputs.tokens, inputs.row_steps > 0, inputs.generated, take(counts))
 
     # The core's step in a loop of its own (the core's ``chunk_loop`` is a jit of its own,
     # and its compiler options cannot nest): a fixed trip count, no predicate read back.
     def body(i: jax.Array, loop: tuple[Carry, Chunk]) -> tuple[Carry, Chunk]:
         carry, record = core_step(fn, rule, params, None, loop[0], rows, loop[1], i)
-        return dataclasses.replace(carry, active=i + 1 < row_steps), record
+        return dataclasses.replace(carry, active=i + 1 < inputs.row_steps), record
 
     record = rule.empty_record(carry, rows, num_steps)
     carry, record = jax.lax.fori_loop(0, num_steps, body, (carry, record))
     counts = counts.at[row_slots].set(carry.picker, mode="drop")
-    last_tokens = last_tokens.at[row_slots].set(carry.tokens, mode="drop")
-    return carry.state, counts, last_tokens, record
+    return carry.state, inputs, counts, (carry.tokens, jnp.copy(row_slots)), record
 
 
 @jax.jit
@@ -773,8 +824,9 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
-        # The decode program's inputs by block-table shape [rows, width] (``_decode_inputs``).
-        self._held: dict[tuple[int, ...], DecodeInputs] = {}
+        # The decode and multi-step decode programs' inputs by program and block-table shape
+        # [rows, width] (``_decode_inputs``, ``_chunk_inputs``).
+        self._held: dict[tuple[type, tuple[int, ...]], DecodeInputs | ChunkInputs] = {}
         # ``keep_hidden`` (a draft head's engine): every prefill, decode and verify step
         # writes its final hidden states here, [slot, position, D], for the head to read.
         self.hidden_rows: jax.Array | None = None
@@ -896,13 +948,19 @@ class PagedExecutor:
         starts = lengths
         held, (row_slots, active, generated) = self._upload_decode_inputs(host)
         state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
-        out, self.state = self.runner.decode(
-            state, held.tokens, held.active, **self._lora(adapters), **self._hidden()
+        (tokens, rows_active), out, self.state = self.runner.decode(
+            state,
+            held.tokens,
+            held.active,
+            **self._lora(adapters),
+            **self._hidden(),
+            returning_inputs=True,
         )
-        # Kept for the next step at this shape; the cache hands its table and lengths back in
-        # the buffers it took.
-        self._held[held.block_table.shape] = held._replace(
-            block_table=self.state.block_table, lengths=self.state.lengths
+        # Kept for the next step at this shape: the decode hands its inputs back in the
+        # buffers it took (its cache's table and lengths too), so the next step donates
+        # buffers no queued program reads.
+        self._held[DecodeInputs, held.block_table.shape] = DecodeInputs(
+            tokens, rows_active, self.state.block_table, self.state.lengths
         )
         logits = self._keep(out, host[0], starts)
         if before_pick is not None:
@@ -917,10 +975,14 @@ class PagedExecutor:
         more than the rest of the dispatch): the decode program's in the buffers its last
         step at this width used (``_decode_inputs``), and the pick's rows."""
         buffer, packing = pack(host)
-        held = self._held.get(host[1].shape)  # by the block table's shape: [rows, width]
-        if held is None or held.deleted():
-            held = DecodeInputs.zeros(*host[1].shape, self.mesh)
+        held = self._held_inputs(DecodeInputs, host[1].shape)
         return _decode_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
+
+    def _held_inputs(self, kind: type, shape: tuple[int, int]) -> DecodeInputs | ChunkInputs:
+        """The buffers the last ``kind`` program of this block-table shape [rows, width]
+        handed back, or new ones."""
+        held = self._held.get((kind, shape))
+        return kind.zeros(*shape, self.mesh) if held is None or held.deleted() else held
 
     def _chunk(
         self, num_steps: int, seqs: list[SequenceState | None], host: tuple[np.ndarray, ...]
@@ -929,15 +991,26 @@ class PagedExecutor:
         the rows' slots, block table, lengths, steps each and generated counts."""
         self.num_multi_step_calls += 1
         steps = host[3].tolist()
-        row_slots, table, lengths, row_steps, generated = jax.device_put(host)
-        state = self.state.with_block_table(table).with_lengths(lengths)
-        sampler = self.sampler
-        self.state, sampler.counts, sampler.last_tokens, record = _decode_chunk(
-            self.runner.decode_fn, CHUNK_RULE, num_steps, self.runner.params, state,
-            row_slots, row_steps, generated, sampler.by_slot(), sampler.counts,
-            sampler.last_tokens,
-        )  # fmt: skip
+        record = self._run_chunk(num_steps, host)
         return ChunkPicks(record, seqs, steps)
+
+    def _run_chunk(self, num_steps: int, host: tuple[np.ndarray, ...]) -> Chunk:
+        """``_decode_chunk`` on these host inputs, written into the buffers the last call of
+        this shape handed back (``_chunk_inputs``), kept for the next; its record."""
+        buffer, packing = pack(host)
+        held = self._held_inputs(ChunkInputs, host[1].shape)
+        held = _chunk_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
+        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
+        sampler = self.sampler
+        self.state, rows, sampler.counts, last, record = _decode_chunk(
+            self.runner.decode_fn, CHUNK_RULE, num_steps, self.runner.params, state,
+            held.rows, sampler.by_slot(), sampler.counts,
+        )  # fmt: skip
+        sampler.last_tokens = _set_last_tokens(sampler.last_tokens, last[1], last[0])
+        self._held[ChunkInputs, held.block_table.shape] = ChunkInputs(
+            rows, self.state.block_table, self.state.lengths
+        )
+        return record
 
     def _verify(
         self,
@@ -1019,33 +1092,32 @@ class PagedExecutor:
     def lower(self, step: WarmStep) -> jax.stages.Lowered:
         """The program of one warm-up step, traced but not compiled."""
         if step.kind == "chunk":
-            return _decode_chunk.lower(*self._warm_chunk_args(step))
+            return self._lower_chunk(step)
         return _lower(self, step)
 
     def warm_chunk(self, step: WarmStep) -> None:
         """Runs a multi-step decode on no row (an empty block table)."""
-        sampler = self.sampler
-        self.state, sampler.counts, sampler.last_tokens, _ = _decode_chunk(
-            *self._warm_chunk_args(step)
-        )
+        self._run_chunk(self.num_scheduler_steps, self._warm_chunk_host(step))
 
-    def _warm_chunk_args(self, step: WarmStep) -> tuple:
-        """``_decode_chunk``'s arguments for a warm-up step, made as ``_chunk`` makes them."""
+    def _warm_chunk_host(self, step: WarmStep) -> tuple[np.ndarray, ...]:
+        """A warm-up multi-step decode's host inputs: rows in no slot, running no step."""
         b, width = step.shape
-        host = (
-            np.full((b,), self.num_slots, np.int32),
-            np.full((b, width), self.num_pages, np.int32),
-            np.zeros((b,), np.int32),
-            np.zeros((b,), np.int32),  # no row runs a step
-            np.zeros((b,), np.int32),
-        )
-        row_slots, table, lengths, row_steps, generated = jax.device_put(host)
-        state = self.state.with_block_table(table).with_lengths(lengths)
+        row = lambda: np.zeros((b,), np.int32)
+        slots, table = np.full((b,), self.num_slots, np.int32), np.full((b, width), self.num_pages)
+        return slots, table.astype(np.int32), row(), row(), row()
+
+    def _lower_chunk(self, step: WarmStep) -> jax.stages.Lowered:
+        """``_decode_chunk``'s program for a warm-up step, its inputs made as a run makes
+        them."""
+        host = self._warm_chunk_host(step)
+        buffer, packing = pack(host)
+        held = ChunkInputs.zeros(*host[1].shape, self.mesh)
+        held = _chunk_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
+        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
         sampler = self.sampler
-        return (
+        return _decode_chunk.lower(
             self.runner.decode_fn, CHUNK_RULE, self.num_scheduler_steps, self.runner.params,
-            state, row_slots, row_steps, generated, sampler.by_slot(), sampler.counts,
-            sampler.last_tokens,
+            state, held.rows, sampler.by_slot(), sampler.counts,
         )  # fmt: skip
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
@@ -1060,10 +1132,10 @@ class PagedExecutor:
                 drafts = upload(np.zeros((b, self.num_speculative_tokens), np.int32))
                 tokens = _verify_inputs(self.sampler.last_tokens, slots, drafts)
                 return (state, tokens, upload(zeros)), kwargs
-            # The decode's inputs as a run uploads them.
+            # The decode's inputs as a run uploads them, and its program.
             held, _ = self._upload_decode_inputs(host)
             state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
-            return (state, held.tokens, held.active), kwargs
+            return (state, held.tokens, held.active), kwargs | {"returning_inputs": True}
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
@@ -1106,8 +1178,8 @@ def _run_warm_steps(
             executor.warm_chunk(step)
             continue
         args, kwargs = executor.warm_inputs(step)
-        if step.kind == "decode":
-            out, executor.state = runner.decode(*args, **kwargs)
+        if step.kind == "decode":  # (the paged executor's hands its inputs back first)
+            out, executor.state = runner.decode(*args, **kwargs)[-2:]
         elif step.kind == "verify":
             out, executor.state = runner.verify(*args, **kwargs)
             logits = executor.warm_keep(out)

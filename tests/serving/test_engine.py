@@ -18,6 +18,7 @@ from helpers import CompileCounter, random_prompt
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch
+from spark_jax.serving import executor as executor_module
 from spark_jax.serving.engine import Engine
 from spark_jax.serving.executor import SAMPLER_WIDTH, SlotPicker
 from spark_jax.serving.pages import PageAllocator
@@ -144,7 +145,9 @@ def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(en
     """XLA keeps a program's kernels as a CUDA graph and re-records it whenever an argument
     moves (on an H100, 5.6 ms more host time a decode step at 32 layers): each step's decode
     inputs are written into the buffers the last step at that width used, admissions and
-    prefills in between."""
+    prefills in between. The decode takes them all (donated) and hands them back, so the
+    next step's write donates no buffer that a queued program still reads (that makes the
+    host wait for the program)."""
     runner = engine.executor.runner
     decode, seen = runner.decode, {}
 
@@ -153,7 +156,9 @@ def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(en
         seen.setdefault(tokens.shape[0], []).append(
             tuple(a.unsafe_buffer_pointer() for a in arrays)
         )
-        return decode(state, tokens, active, **kwargs)
+        out = decode(state, tokens, active, **kwargs)
+        assert all(a.is_deleted() for a in arrays)
+        return out
 
     monkeypatch.setattr(runner, "decode", spy)
     params = sj.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -184,11 +189,28 @@ def multi_step_params(i: int, max_tokens: int) -> sj.SamplingParams:
     return sj.SamplingParams(max_tokens=max_tokens, **kinds[i % len(kinds)])
 
 
-def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_page(tiny_llama):
+def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_page(
+    tiny_llama, monkeypatch
+):
     """Four decode steps per device call where the rows allow it, over a page pool small
     enough to preempt: every request's tokens (and logprob) as alone, stops inside a call
-    dropped, nothing compiled after warm-up, every page and slot given back."""
+    dropped, nothing compiled after warm-up, every page and slot given back. Each call's
+    inputs lie where the last call of its shape left them, taken and handed back by the
+    call (as the decode's: see the test above)."""
     _, model = tiny_llama
+    chunk, seen = executor_module._decode_chunk, {}
+
+    def spy(fn, rule, num_steps, params, state, rows, *args):
+        arrays = (*rows, state.block_table, state.lengths)
+        seen.setdefault(state.block_table.shape, []).append(
+            tuple(a.unsafe_buffer_pointer() for a in arrays)
+        )
+        out = chunk(fn, rule, num_steps, params, state, rows, *args)
+        assert all(a.is_deleted() for a in arrays)
+        return out
+
+    spy.lower = chunk.lower  # warm-up compiles the program itself
+    monkeypatch.setattr(executor_module, "_decode_chunk", spy)
     # max_model_len: the longest request (99 + 40 tokens) with room, not the model's 512: two
     # block-table widths to warm up instead of three. Two decode widths, not four (every width
     # is the other engine's test): half the multi-step programs to warm up.
@@ -211,6 +233,9 @@ def test_multi_step_decode_gives_each_request_its_tokens_alone_and_frees_every_p
             got = [lp.logprob for lp in ours.logprobs]
             assert got == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
     assert engine.executor.num_multi_step_calls > 0 and engine.num_preemptions > 0
+    assert sum(map(len, seen.values())) > 10  # warm-up's calls and the run's
+    for shape, calls in seen.items():
+        assert len(set(calls)) == 1, f"shape {shape}: {len(set(calls))} address sets"
     assert engine.pages_in_use == 0 and engine.slots_in_use == 0
     # Requests whose stop id (inside a call) is the last token of a page, then prompts that go
     # on from their outputs: the prefix cache hands these the pages the first ones left, the
