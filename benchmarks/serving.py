@@ -417,6 +417,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     data = jax.profiler.ProfileData.from_file(path)
     spans, by_name, host = [], collections.Counter(), []
     modules = collections.Counter()  # kernel time by the program that ran the kernel
+    host_lines = collections.Counter()  # the host threads traced: events each
     for plane in data.planes:
         for line in plane.lines:
             if plane.name.startswith("/device:") and line.name.startswith("Stream"):
@@ -425,8 +426,11 @@ def idle_of_trace(path: str) -> dict[str, Any]:
                     by_name[e.name[:80]] += e.duration_ns
                     program = dict(e.stats).get("hlo_module", "(no program)")
                     modules[str(program)[:80]] += e.duration_ns
-            elif plane.name == "/host:CPU" and line.name == "python":
-                host.extend((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events)
+            elif plane.name == "/host:CPU":
+                events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
+                host_lines[line.name] += len(events)
+                if line.name.startswith("python"):  # the driving thread (python, python3)
+                    host.extend(events)
     if not spans:
         return {"error": "no device events in the trace (a CPU backend)"}
     spans.sort()
@@ -462,6 +466,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         # A host function long here but short above waited on the device (a blocking read,
         # or a donated buffer that a queued program still reads).
         "host_total_ms": {n: ns / 1e6 for n, ns in host_total.most_common(40)},
+        "host_lines": dict(host_lines.most_common(12)),
     }
 
 

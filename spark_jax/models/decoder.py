@@ -366,10 +366,10 @@ def decode_returning_inputs(
 
     For the serving engine, which writes each step's inputs into the last step's buffers (a
     program's CUDA graph is re-recorded when an argument moves): it then donates buffers
-    this program returned, never ones a queued program still reads, which makes the host
-    wait for that program. They come first because jit pairs each output with the first
-    donated input of its shape and dtype: after the cache, the lengths (int32[B]) would take
-    the tokens' buffer."""
+    this program returned, never ones a queued program still reads (such a donation made
+    the host wait for that program on the H200; ``spark_jax.serving.executor._pick_rows``).
+    They come first because jit pairs each output with the first donated input of its shape
+    and dtype: after the cache, the lengths (int32[B]) would take the tokens' buffer."""
     hidden = {"with_hidden": True} if with_hidden else {}
     out, kv = decode(params, config, tokens, active, kv, lora, options=options, **hidden)
     return (tokens, active), out, kv

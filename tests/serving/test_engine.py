@@ -146,8 +146,8 @@ def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(en
     moves (on an H100, 5.6 ms more host time a decode step at 32 layers): each step's decode
     inputs are written into the buffers the last step at that width used, admissions and
     prefills in between. The decode takes them all (donated) and hands them back, so the
-    next step's write donates no buffer that a queued program still reads (that makes the
-    host wait for the program)."""
+    next step's write donates no buffer that a queued program still reads (on the H200 that
+    made the host wait for the program)."""
     runner = engine.executor.runner
     decode, seen = runner.decode, {}
 
