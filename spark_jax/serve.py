@@ -5,7 +5,10 @@ does); ``--model`` also takes an HF model directory or a ``.gguf`` file, convert
 the cache (``spark_jax.model_dir``). ``--lora-modules NAME=PEFT_DIR`` (repeatable) serves
 PEFT adapters as models of their own. ``--speculative-config JSON`` (vLLM's flag) speculates
 inside the engine, e.g. ``'{"method": "ngram", "num_speculative_tokens": 4}'`` (the keys:
-``spark_jax.serving.speculation``; a draft model or head is given by its path). The engine
+``spark_jax.serving.speculation``; a draft model or head is given by its path).
+``--num-scheduler-steps N`` decodes N steps per device call while nothing is admitted, and
+``--gpu-memory-utilization F`` sizes the KV page pool to that share of the GPU's memory
+(vLLM's flags; ``sj.Engine``'s options of the same names). The engine
 compiles every step shape before the server starts listening (``--skip-warmup`` compiles on
 first use instead). Routes and errors: ``spark_jax.serving.server``.
 """
@@ -30,6 +33,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output")
     p.add_argument(
         "--max-num-batched-tokens", type=int, help="prefill tokens per step (a power of two)"
+    )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        help="decode steps per device call when a step only decodes (default 1; more trade "
+        "time to first token for throughput: BENCHMARKS.md)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="size the KV page pool to this share of the GPU's memory (default: a row of "
+        "--max-model-len per sequence)",
     )
     p.add_argument(
         "--max-queued-requests",
@@ -101,8 +116,9 @@ def build_engine(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[An
         if model.config.is_encoder_decoder:
             raise ValueError("--max-num-batched-tokens applies to decoder-only models.")
         kwargs["max_batch_tokens"] = args.max_num_batched_tokens
-    if args.speculative_config is not None:
-        kwargs["speculative_config"] = args.speculative_config
+    for option in ("speculative_config", "num_scheduler_steps", "gpu_memory_utilization"):
+        if getattr(args, option) is not None:  # the engine refuses those its model lacks
+            kwargs[option] = getattr(args, option)
     engine = sj.Engine(model, **kwargs)
     name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
     return engine, str(name)

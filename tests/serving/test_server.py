@@ -496,6 +496,22 @@ def test_the_serve_cli_converts_a_gguf_and_answers_like_the_library(gguf_file, m
         proc.wait(timeout=30)
 
 
+def test_the_serve_cli_passes_the_engine_options_and_refuses_what_the_device_lacks(
+    gguf_file, tmp_path, monkeypatch
+):
+    """``--num-scheduler-steps`` and ``--gpu-memory-utilization`` (vLLM's flags) reach the
+    engine; a device that reports no memory limit (the CPU) is one line, no traceback."""
+    from spark_jax.serve import _parser, build_engine, main
+
+    monkeypatch.setenv("SPARK_JAX_CACHE", str(tmp_path))
+    argv = ["--model", str(gguf_file), "--compilation-cache", "", "--max-num-seqs", "2"]
+    engine, _ = build_engine(_parser().parse_args([*argv, "--num-scheduler-steps", "4"]), {})
+    assert engine.num_scheduler_steps == 4 and engine.executor.num_scheduler_steps == 4
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--skip-warmup", "--gpu-memory-utilization", "0.9"])
+    assert str(stop.value).startswith("error: the cpu device reports no memory limit")
+
+
 def test_a_speculative_config_that_is_not_a_json_object_is_refused(capsys):
     from spark_jax.serve import main
 
