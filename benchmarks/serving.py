@@ -17,8 +17,10 @@ new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have 
 over all 512 would take most of an hour). One engine (256 slots, 16-token pages, max_model_len
 2048, every shape compiled by ``warmup`` first) serves all levels; its decode step runs the
 smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, one decode step
-per device call (``num_scheduler_steps`` 1: on the H200, 4 steps per call left the device
-idle 75% of the time at C=64 against 32% for single steps; ``benchmarks/NOTES.md``).
+per device call by default (``--num-scheduler-steps N``: N steps per call while nothing is
+admitted; on an H100, 4 gave 15-21% more throughput at C=64 and a higher TTFT, and it slows
+the shared-prefix workload's uncached prefills, so the default keeps the TTFT comparison
+clean; ``benchmarks/NOTES.md``).
 
 Shared-prefix workload: every request is one 1,000-token system prompt, then a 64-token
 question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
