@@ -996,21 +996,28 @@ class PagedExecutor:
 
     def _run_chunk(self, num_steps: int, host: tuple[np.ndarray, ...]) -> Chunk:
         """``_decode_chunk`` on these host inputs, written into the buffers the last call of
-        this shape handed back (``_chunk_inputs``), kept for the next; its record."""
-        buffer, packing = pack(host)
+        this shape handed back, kept for the next; its record."""
         held = self._held_inputs(ChunkInputs, host[1].shape)
-        held = _chunk_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
-        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
         sampler = self.sampler
         self.state, rows, sampler.counts, last, record = _decode_chunk(
-            self.runner.decode_fn, CHUNK_RULE, num_steps, self.runner.params, state,
-            held.rows, sampler.by_slot(), sampler.counts,
-        )  # fmt: skip
+            *self._chunk_args(num_steps, host, held)
+        )
         sampler.last_tokens = _set_last_tokens(sampler.last_tokens, last[1], last[0])
-        self._held[ChunkInputs, held.block_table.shape] = ChunkInputs(
+        self._held[ChunkInputs, host[1].shape] = ChunkInputs(
             rows, self.state.block_table, self.state.lengths
         )
         return record
+
+    def _chunk_args(self, num_steps: int, host: tuple[np.ndarray, ...], held: ChunkInputs) -> tuple:
+        """``_decode_chunk``'s arguments: the host inputs in one transfer, written into
+        ``held`` (``_chunk_inputs``)."""
+        buffer, packing = pack(host)
+        held = _chunk_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
+        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
+        return (
+            self.runner.decode_fn, CHUNK_RULE, num_steps, self.runner.params, state, held.rows,
+            self.sampler.by_slot(), self.sampler.counts,
+        )  # fmt: skip
 
     def _verify(
         self,
@@ -1108,17 +1115,10 @@ class PagedExecutor:
 
     def _lower_chunk(self, step: WarmStep) -> jax.stages.Lowered:
         """``_decode_chunk``'s program for a warm-up step, its inputs made as a run makes
-        them."""
+        them (in buffers of their own: the run's held ones stay where they are)."""
         host = self._warm_chunk_host(step)
-        buffer, packing = pack(host)
         held = ChunkInputs.zeros(*host[1].shape, self.mesh)
-        held = _chunk_inputs(held, self.sampler.last_tokens, jax.device_put(buffer), packing)
-        state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
-        sampler = self.sampler
-        return _decode_chunk.lower(
-            self.runner.decode_fn, CHUNK_RULE, self.num_scheduler_steps, self.runner.params,
-            state, held.rows, sampler.by_slot(), sampler.counts,
-        )  # fmt: skip
+        return _decode_chunk.lower(*self._chunk_args(self.num_scheduler_steps, host, held))
 
     def warm_inputs(self, step: WarmStep) -> tuple[tuple, dict[str, Any]]:
         if step.kind in ("decode", "verify"):  # no active row, over an empty block table
