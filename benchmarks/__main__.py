@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: decode steps per device call when a step only decodes (default: the plan's)",
     )
     parser.add_argument(
+        "--profile-concurrency",
+        type=int,
+        default=None,
+        metavar="C",
+        help="serving: the level profiled in a pass of its own (default: the plan's, 64)",
+    )
+    parser.add_argument(
         "--http",
         action="store_true",
         help="serving: the engine directly and through the HTTP server, side by side",
@@ -153,6 +160,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--requests", str(args.requests)]
     if args.num_scheduler_steps:
         out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
+    if args.profile_concurrency:
+        out += ["--profile-concurrency", str(args.profile_concurrency)]
     if args.http:
         out += ["--http"]
     if args.quantize:
@@ -173,6 +182,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["requests"] = args.requests
     if args.num_scheduler_steps:
         out["num_scheduler_steps"] = args.num_scheduler_steps
+    if args.profile_concurrency:
+        out["profile_concurrency"] = args.profile_concurrency
     if args.http:
         out["http"] = True
     if args.quantize:

@@ -49,6 +49,19 @@ def test_serving(tmp_path: Path) -> None:
     assert {"bare_decode_bs1_ms", "bare_decode_bs8_ms"} <= line["peers"].keys()
 
 
+def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
+    """The serving plan's command-line overrides become the suite's keyword arguments, and
+    the arguments of the child run of ``--against`` give the same ones back."""
+    from benchmarks.__main__ import parse_args, plan_args, plan_overrides
+
+    argv = ["serving", "--concurrency", "64", "256", "--requests", "300"]
+    argv += ["--num-scheduler-steps", "4", "--profile-concurrency", "256"]
+    args = parse_args(argv)
+    want = {"concurrency": (64, 256), "requests": 300, "num_scheduler_steps": 4}
+    assert plan_overrides(args) == want | {"profile_concurrency": 256}
+    assert plan_overrides(parse_args(["serving", *plan_args(args)])) == plan_overrides(args)
+
+
 def test_serving_steady_state_leaves_out_the_start_and_the_drain() -> None:
     from benchmarks.serving import steady_state
 
