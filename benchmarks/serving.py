@@ -35,9 +35,9 @@ the decode steps it needs (output tokens / C) each reading the weights once, eve
 token reading its context's keys and values once, at the read ceiling, plus its prompts' FLOPs
 at the matmul rate, both ceilings measured in this run. At C=1 and at the profiled level (C=64)
 the TPOT is compared with the bare decode step at that width and the level's mean context
-(device-timed); at C=64 (``--profile-concurrency``) a profile of 24 steps, in a pass of its own after the level (the
-profiler stalls the engine), gives the device's idle fraction and each program's
-device time.
+(device-timed); at the profiled level (``--profile-concurrency``, default 64) a profile of
+24 steps, in a pass of its own after the level (the profiler stalls the engine), gives the
+device's idle fraction, each program's device time and what the host was inside.
 
 Peers, each in a child process run first so torch and JAX never share GPU memory: HF
 ``LlamaForCausalLM`` (torch, bf16, sdpa) with ``generate`` over static batches of
