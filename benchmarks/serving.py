@@ -354,12 +354,11 @@ def profiled_idle(engine: Any, requests: list[tuple[list[int], int]], concurrenc
 def steady_state(emitted: list[tuple[float, int]], done: list[dict[str, float]]) -> dict:
     """Output tokens/s while every client has a request in flight: from the first finish
     (before it, all requests started together and their prefills bunch) to the last submit
-    (after it, the queue is dry and the level drains at falling concurrency). The drain is a
-    third of a level's steps at C=64 over 256 of the workload's requests, but its steps are
-    narrow and quick: on an H100 the whole run read within 1-2% of the steady state
-    (``benchmarks/NOTES.md``). ``emitted``: (time, tokens) per engine step; ``done``: the
-    finished requests' records. Empty when there is no such window (every request was
-    submitted at the start)."""
+    (after it, the queue is dry and the level drains at falling concurrency). On an H100 the
+    whole run read 21% below the steady state at C=64 over 256 of the workload's requests
+    (4 415 against 5 595 tok/s) and 2% at C=256 (``benchmarks/NOTES.md``). ``emitted``:
+    (time, tokens) per engine step; ``done``: the finished requests' records. Empty when
+    there is no such window (every request was submitted at the start)."""
     first_finish = min(r["end"] for r in done)
     last_submit = max(r["submit"] for r in done)
     if last_submit <= first_finish:

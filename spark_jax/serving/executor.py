@@ -177,9 +177,8 @@ def _decode_inputs(
     keeps a program's kernels as a CUDA graph and re-records it whenever an argument moves:
     on an H100, a 32-layer decode step of 64 rows with new argument buffers took 7.2 ms of
     host time to dispatch against 1.6 ms with them in place (``benchmarks/NOTES.md``). The
-    pick gets its rows in buffers of their own (its activity too: ``held``'s is donated
-    again next step, and a donated buffer that a queued program still reads can stall the
-    host)."""
+    pick gets its rows in buffers of their own (its activity too): the decode takes
+    ``held``'s (``decode_returning_inputs``)."""
     del held
     row_slots, table, lengths, active, generated = unpack(inputs, packing)
     tokens = _gather_tokens(last_tokens, row_slots)
