@@ -2,11 +2,12 @@
 once per decode-steps-per-call setting, each then profiled in a pass of its own, to see what
 the host does while the device idles.
 
-    PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64] [--slots 64]
-        [--num-scheduler-steps 1 4] [--tiny]
+    PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
+        [--num-scheduler-steps 1 4] [--no-profile] [--tiny]
 
-Prints the bare decode step at the level's width and mean context (device-timed, the
-engine's own program); then per setting (the engine is built for the largest, its
+Each level takes the suite's requests and count (``--requests`` overrides the count). Prints
+the bare decode step at each level's width and mean context (device-timed, the engine's own
+program); then per level and setting (the engine is built for the largest, its
 multi-step programs compiled, and runs one step per call for 1) the level's throughput,
 steady-state throughput, TPOT and host CPU per step, and ``profiled_idle``'s figures: the
 idle fraction over the traced steps, the kernels and programs that take the time, and the
@@ -37,9 +38,10 @@ from spark_jax.serving.scheduler import rung
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64])
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")
-    parser.add_argument("--requests", type=int, default=192)
+    parser.add_argument("--requests", type=int, help="per level (default: the suite's count)")
+    parser.add_argument("--no-profile", action="store_true", help="no profiled pass")
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
@@ -47,30 +49,32 @@ def main() -> None:
     plan = dataclasses.replace(
         SMALL if args.tiny else FULL,
         engine_slots=args.slots,
-        requests=args.requests,
         num_scheduler_steps=most,
     )
     engine, timings = build_engine(plan)
     print("engine", json.dumps(timings), flush=True)
     # The suite's requests: the plan's whole draw, then the first ones (a draw of fewer gives
     # other output lengths: prompts and outputs come from one stream, in turn).
-    base = SMALL if args.tiny else FULL
-    requests = workload(dataclasses.replace(plan, requests=base.requests))[: args.requests]
-    width = rung(engine.executor.decode_widths, args.concurrency)
-    context = int(np.mean([len(p) + n / 2 for p, n in requests]))
-    bare = bare_decode_seconds(engine, context, rows=width) * 1e3
-    print(f"bare decode step, {width} rows, ~{context} keys: {bare:.2f} ms", flush=True)
+    drawn = workload(plan)
     keys = ("output_tok_s", "steady_output_tok_s", "tpot_s", "ttft_s", "engine_steps")
     keys += ("host_cpu_ms_per_step", "host_cpu_us_per_token")
-    for steps in args.num_scheduler_steps:
-        engine.num_scheduler_steps = steps  # the chunk's programs are compiled for ``most``
-        calls = engine.executor.num_multi_step_calls
-        level = run_level(engine, requests, args.concurrency)
-        figures = {k: level.get(k) for k in keys}
-        figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
-        print(f"steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
-        idle = profiled_idle(engine, requests, args.concurrency)
-        print(f"steps per call {steps}, profiled:", json.dumps(idle, indent=1), flush=True)
+    for c in args.concurrency:
+        count = args.requests or min(plan.requests, max(32, 4 * c))  # the suite's rule
+        requests = drawn[:count]
+        width = rung(engine.executor.decode_widths, c)
+        context = int(np.mean([len(p) + n / 2 for p, n in requests]))
+        bare = bare_decode_seconds(engine, context, rows=width) * 1e3
+        print(f"C={c}: bare decode step, {width} rows, ~{context} keys: {bare:.2f} ms", flush=True)
+        for steps in args.num_scheduler_steps:
+            engine.num_scheduler_steps = steps  # the chunk's programs are compiled for ``most``
+            calls = engine.executor.num_multi_step_calls
+            level = run_level(engine, requests, c)
+            figures = {k: level.get(k) for k in keys}
+            figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
+            print(f"C={c}, steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
+            if not args.no_profile:
+                idle = profiled_idle(engine, requests, c)
+                print(f"C={c}, steps per call {steps}, profiled:", json.dumps(idle, indent=1))
 
 
 if __name__ == "__main__":
