@@ -16,15 +16,17 @@ Clients: closed loop at each concurrency C (1, 64, 128, 256): C requests are kep
 new one is submitted as one finishes, until ``min(requests, max(32, 4C))`` have finished (C=1
 over all 512 would take most of an hour). One engine (256 slots, 16-token pages, max_model_len
 2048, every shape compiled by ``warmup`` first) serves all levels; its decode step runs the
-smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, one decode step
-per device call by default (``--num-scheduler-steps N``: N steps per call while nothing is
-admitted; on an H100, 4 gave 15-21% more throughput at C=64 and a higher TTFT, and it slows
-the shared-prefix workload's uncached prefills, so the default keeps the TTFT comparison
-clean; ``benchmarks/NOTES.md``).
+smallest width of its ladder (1, 2, 4, ... 256) that holds the decoding rows, 4 decode steps
+per device call while nothing is admitted (``--num-scheduler-steps N``, vLLM's multi-step
+scheduling; on an H100 with the suite's requests, 4 gave 13% more throughput at C=64 and 7%
+at C=256 than 1, and a higher TTFT p50: an arrival waits for the call in flight;
+``benchmarks/NOTES.md``).
 
 Shared-prefix workload: every request is one 1,000-token system prompt, then a 64-token
 question, and asks for 128 tokens, at concurrency 8; run once on that engine (prefix caching
-on) and once on a second engine with it off (same shapes: nothing compiles again).
+on) and once on a second engine with it off (same shapes: nothing compiles again), both one
+decode step per call (``Plan.shared_num_scheduler_steps``): a multi-step call in flight delays
+every arrival, the uncached prefills' waves most, which would flatter the cache.
 
 Per level: output tokens/s (tokens of finished requests / wall time) and in the steady state
 (every client's request in flight: from the first finish to the last submit; the whole run also
@@ -110,7 +112,8 @@ class Plan:
     # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
     min_chunk: int = 128
     min_decode_pages: int = 32
-    num_scheduler_steps: int = 1  # decode steps per device call when a step only decodes
+    num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
+    shared_num_scheduler_steps: int = 1  # the same, for the shared-prefix TTFT comparison
     # The page pool: this share of the device's memory (vLLM's default is 0.9). One row of
     # max_model_len per slot (the engine's default without it) is 69 GB at 256 slots: more
     # than an 80 GB H100 holds beside the weights.
@@ -658,11 +661,13 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         return report
     report.details["metrics"] = dataclasses.asdict(engine.metrics())
     shared = shared_prefix_workload(plan)
+    engine.num_scheduler_steps = plan.shared_num_scheduler_steps
     on = run_level(engine, shared, plan.shared_concurrency)
     progress("shared prefix, cache on", on)
     del engine  # its page pool, before the second engine takes one of its own
     gc.collect()
     engine, _ = build_engine(plan, enable_prefix_caching=False)
+    engine.num_scheduler_steps = plan.shared_num_scheduler_steps
     off = run_level(engine, shared, plan.shared_concurrency)
     progress("shared prefix, cache off", off)
     for name, level in (("on", on), ("off", off)):
