@@ -6,7 +6,8 @@ the GPU (``one_query_picked``); our flash kernel a prefill on Hopper
 (``KernelOptions.flash_prefill``); our decode kernels run on request
 (``KernelOptions(implementation="pallas")``). Models attend over their cache with
 ``cache_attention``: on the GPU a decode step over a paged cache reads the pages in place
-(cuDNN's paged attention); elsewhere the rows are read out first. ``cache_step_attention``
+(cuDNN's paged attention, or our paged kernel where cuDNN's does not apply: ``paged_kernel``);
+elsewhere the rows are read out first. ``cache_step_attention``
 writes the step's keys first (in the one-query kernel itself where it runs) and can read rows
 through a row table (beam search).
 
@@ -166,32 +167,63 @@ def cache_attention(
 ) -> jax.Array:
     """Attention of q [B,T,N,H] over the cache rows ``slots`` (all rows if None).
 
-    A paged decode step on the GPU reads the pages in place with cuDNN, or with our Pallas
-    paged kernel under ``implementation="pallas"``; everything else reads the rows out (a
-    view of a dense cache, a gather of a paged one) and goes through ``attention``.
+    A paged step reads the pages in place where ``paged_kernel`` names a kernel; everything
+    else reads the rows out (a view of a dense cache, a gather of a paged one) and goes
+    through ``attention``.
     """
     if _sharded(options):
         read = lambda q, kc, vc, sl, m, o: cache_attention(q, kc, vc, sl, m, sliding_window, o)
         args = (q, k_cache, v_cache, slots, mask)
         specs = (_BY_HEADS, _cache_spec(k_cache), _cache_spec(v_cache), _WHOLE, _WHOLE)
         return _per_shard(read, options, args, specs, _BY_HEADS)
-    implementation = options.implementation
     if is_narrow(k_cache):
         if scaled_paged_picked(q, k_cache, sliding_window, options):
             return scaled_paged_attention(q, k_cache, v_cache, slots, mask)
         keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
         return narrow_cache_attention(q, keys, values, mask, sliding_window, options)
-    paged = isinstance(k_cache, PagedLayer)
-    if paged and implementation == "pallas" and pallas_paged_applies(q, k_cache, sliding_window):
+    kernel = paged_kernel(q, k_cache, sliding_window, options)
+    if kernel == "pallas":
         return pallas_paged_attention(q, k_cache, v_cache, slots, mask, options=options)
-    if (
-        implementation in (None, "cudnn")
-        and paged
-        and cudnn_paged_applies(q, k_cache, q.shape[0], sliding_window)
-    ):
+    if kernel == "cudnn":
         return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
     keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
     return attention(q, keys, values, mask, sliding_window, options=options)
+
+
+def paged_kernel(
+    q: jax.Array | jax.ShapeDtypeStruct,
+    k_cache: Any,
+    sliding_window: int | None = None,
+    options: KernelOptions = KernelOptions(),
+) -> str | None:
+    """The kernel that reads a paged cache in place for ``cache_attention`` of ``q``:
+    "cudnn", "pallas", or None where the rows are gathered first (not a paged cache, or no
+    kernel takes the call).
+
+    ``implementation="pallas"`` takes our paged kernels wherever they run, "cudnn" cuDNN's
+    paged decode attention. The default dispatch takes cuDNN's where it applies and, for a
+    one-token step on Hopper where it does not, ours: cuDNN needs a pool of at least rows x
+    table-width pages, which an 80 GB H100's pool beside Llama-3-8B is not at 256 rows. There
+    the gathered rows made the engine's 256-row decode step 39.1 ms against our kernel's
+    12.7; at 64 and 128 rows cuDNN's was the faster (7.26 / 8.52 ms against 7.79 / 9.51).
+    """
+    if not isinstance(k_cache, PagedLayer):
+        return None
+    implementation = options.implementation
+    if implementation == "pallas" and pallas_paged_applies(q, k_cache, sliding_window):
+        return "pallas"
+    if implementation in (None, "cudnn") and cudnn_paged_applies(
+        q, k_cache, q.shape[0], sliding_window
+    ):
+        return "cudnn"
+    if (
+        implementation is None
+        and q.shape[1] == 1
+        and _pallas_compiles(q)
+        and pallas_paged_applies(q, k_cache, sliding_window)
+    ):
+        return "pallas"
+    return None
 
 
 _SPLIT_CHUNK = 256  # keys per chunk of XLA's split-K form

@@ -47,7 +47,7 @@ from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, SpecState, Speculation
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.generation.step import step as core_step
-from spark_jax.ops.cudnn import cudnn_paged_applies
+from spark_jax.ops.attention import paged_kernel
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
 from spark_jax.ops.sharding import TP_AXIS, replicated
@@ -839,16 +839,18 @@ class PagedExecutor:
 
     def _decode_reads_pages_in_place(self, model: Any) -> bool:
         """True where the decode step's attention reads the pages in place (cuDNN's paged
-        attention on the GPU) at every decode width, rather than gathering the rows."""
+        attention or our paged kernel, on the GPU) at every decode width, rather than
+        gathering the rows."""
         c = model.config
         window = next((w for w in c.sliding_windows if w), None)
         return all(
-            cudnn_paged_applies(
+            paged_kernel(
                 jax.ShapeDtypeStruct((b, 1, c.num_heads, c.head_dim), model.dtype),
                 self.state.k[0],
-                b,
                 window,
+                model.options,
             )
+            is not None
             for b in self.decode_widths
         )
 

@@ -105,6 +105,34 @@ def test_cache_attention_on_pages_falls_back_to_the_gather_off_gpu():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+def test_paged_kernel_takes_our_kernel_where_cudnn_does_not(monkeypatch):
+    """The default dispatch reads the pages in place with our kernel where cuDNN's paged
+    attention does not apply (a pool smaller than rows x table width: an 80 GB H100's at 256
+    rows), for one-token steps on Hopper only; forced choices keep their kernel. Here the
+    Hopper check is patched and the kernel interpreted."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on the GPU the real checks decide")
+    q, k, v, mask = _paged_inputs(
+        4, b=4, n=4, kv_heads=2, h=64, page_size=8, num_pages=40, width=8
+    )  # fmt: skip
+    assert att.paged_kernel(q, k) is None  # off Hopper: the gather
+    monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
+    assert not cudnn.cudnn_paged_applies(q, k, 4, None)
+    assert att.paged_kernel(q, k) == "pallas"
+    assert att.paged_kernel(q, k, options=KernelOptions(implementation="cudnn")) is None
+    assert att.paged_kernel(q, k, options=KernelOptions(implementation="xla")) is None
+    prefill = jnp.concatenate([q, q], axis=1)  # a chunk of two queries: not a decode step
+    assert att.paged_kernel(prefill, k) is None
+    assert att.paged_kernel(q, k.read(None)) is None  # not a paged cache
+    monkeypatch.setattr(cudnn, "cudnn_paged_applies", lambda *a: True)
+    monkeypatch.setattr(att, "cudnn_paged_applies", lambda *a: True)
+    assert att.paged_kernel(q, k) == "cudnn"  # where it applies, cuDNN's
+    monkeypatch.setattr(att, "cudnn_paged_applies", lambda *a: False)
+    out = att.cache_attention(q, k, v, None, mask)
+    ref = reference_attention(q, k.read(None), v.read(None), mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("page_size", [16, 64])
