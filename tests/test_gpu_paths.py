@@ -28,6 +28,7 @@ import pytest
 import spark_jax as sj
 from spark_jax.config import ModelConfig, RopeConfig
 from spark_jax.models import decoder
+from spark_jax.ops.attention import paged_kernel
 from spark_jax.serving.engine import Engine
 
 pytestmark = [
@@ -59,11 +60,11 @@ def _model(options: sj.KernelOptions) -> sj.Model:
     return sj.Model(CONFIG, params, options=options)
 
 
-def _greedy(model: sj.Model, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy(model: sj.Model, prompts: list[list[int]], **engine: int) -> list[list[int]]:
     """Each prompt alone through ``sj.generate``, then all of them through one engine."""
     params = sj.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     alone = [sj.generate(model, p, params).output_tokens for p in prompts]
-    engine = Engine(model, max_num_seqs=16, max_batch_tokens=64, max_model_len=128)
+    engine = Engine(model, max_num_seqs=16, max_batch_tokens=64, max_model_len=128, **engine)
     batched = [r.output_tokens for r in engine.generate_many(prompts, params)]
     return alone + batched
 
@@ -76,20 +77,30 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
 
 
 @pytest.mark.parametrize(
-    "implementation, shortest", [(None, 3), ("pallas", 33)], ids=["dispatch", "pallas"]
+    "implementation, shortest, kv_pages",
+    [(None, 3, None), (None, 3, 100), ("pallas", 33, None)],
+    ids=["dispatch", "dispatch-small-pool", "pallas"],
 )
-def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest):
+def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest, kv_pages):
     """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged; our flash
-    kernel for prefill, ``KernelOptions.flash_prefill``). ``"pallas"``: every
+    kernel for prefill, ``KernelOptions.flash_prefill``); with a pool of 100 pages cuDNN's
+    paged attention cannot take the engine's 16-row step (the pool must split into 16 tables)
+    and our paged kernel reads the pages instead. ``"pallas"``: every
     attention through our kernels (flash prefill, split-K decode, paged decode, the paged
     kernel's causal rows for an engine's second prefill chunk); its prompts are 33 tokens or
     more, so every prefill bucket is a multiple of the kernels' 64-key blocks."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(shortest, 90, 10)
     prompts = [rng.integers(0, CONFIG.vocab_size, int(n)).tolist() for n in lengths]
-    fast = _greedy(_model(sj.KernelOptions(implementation=implementation)), prompts)
+    pool = {} if kv_pages is None else {"kv_pages": kv_pages}
+    fast_model = _model(sj.KernelOptions(implementation=implementation))
+    fast = _greedy(fast_model, prompts, **pool)
+    if kv_pages is not None:
+        widest = Engine(fast_model, max_num_seqs=16, max_model_len=128, kv_pages=kv_pages)
+        q = jax.ShapeDtypeStruct((16, 1, CONFIG.num_heads, CONFIG.head_dim), jnp.bfloat16)
+        assert paged_kernel(q, widest.executor.state.k[0]) == "pallas"
     model = _model(sj.KernelOptions(implementation="xla"))
-    plain = _greedy(model, prompts)
+    plain = _greedy(model, prompts, **pool)
     gaps = [
         _gap_at_first_difference(model, prompts[i % len(prompts)], ref, out)
         for i, (ref, out) in enumerate(zip(plain, fast, strict=True))
