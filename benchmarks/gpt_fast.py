@@ -309,12 +309,15 @@ def static_batches(
 ) -> dict[str, Any]:
     """Serves (prompt ids, output length) requests in static batches of ``batch``, each
     decoding to its longest output; only each request's own tokens count as useful. A
-    short run of the first batch compiles first, untimed; every batch is then timed."""
+    short run of every batch compiles first, untimed (each prompt width a prefill of its
+    own: the dynamic-shape prefill recompiles at its second width); every batch is then
+    timed."""
     model = _random_model(config, dtype, device)
     model.setup_caches(batch, _aligned(max_len))
     runner = Runner.of(model)
     chunks = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-    generate(runner, [p for p, _ in chunks[0]], WARMUP_TOKENS + 2)
+    for chunk in chunks:
+        generate(runner, [p for p, _ in chunk], WARMUP_TOKENS + 2)
     useful = computed = 0
     start = time.perf_counter()
     for chunk in chunks:
