@@ -136,6 +136,35 @@ def lora_targets(config: ModelConfig) -> dict[str, LoraTarget]:
 # The model.
 
 
+def ragged_rows(lengths: jax.Array, num_tokens: int) -> jax.Array:
+    """A ragged batch's token places: the rows' tokens lie one after another in a flat stream
+    of ``num_tokens`` (row 0's ``lengths[0]``, then row 1's, ..., then padding), and token j
+    goes to place ``row * T + t`` of the rows' ``[R, T]`` layout (T = ``num_tokens``: one
+    row may hold them all); padding goes to ``R * T``, out of range, so it is dropped."""
+    ends = jnp.cumsum(lengths)
+    j = jnp.arange(num_tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
+    r = lengths.shape[0]
+    row_ = jnp.minimum(row, r - 1)
+    t = j - (ends - lengths)[row_]
+    return jnp.where(row < r, row_ * num_tokens + t, r * num_tokens)
+
+
+def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``x [N, 1, ...]`` of a ragged batch in its rows' ``[R, T, ...]`` layout (``shape``:
+    (R, T)), zeros where a row has no token."""
+    r, t = shape
+    flat = jnp.zeros((r * t, *x.shape[2:]), x.dtype).at[rows].set(x[:, 0], mode="drop")
+    return flat.reshape(r, t, *x.shape[2:])
+
+
+def from_rows(y: jax.Array, rows: jax.Array) -> jax.Array:
+    """``y [R, T, ...]`` back to a ragged batch's ``[N, 1, ...]`` (padding reads place 0)."""
+    r, t = y.shape[:2]
+    flat = y.reshape(r * t, *y.shape[2:])
+    return jnp.take(flat, jnp.where(rows < r * t, rows, 0), axis=0)[:, None]
+
+
 class SelfAttention(nn.Module):
     config: ModelConfig
     layer_idx: int
@@ -143,7 +172,7 @@ class SelfAttention(nn.Module):
     options: KernelOptions = KernelOptions()
 
     @nn.compact
-    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
+    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None):
         c = self.config
         b, t, _ = x.shape
         linear = partial(Linear, dtype=self.dtype, options=self.options)
@@ -161,6 +190,9 @@ class SelfAttention(nn.Module):
         # collection leaves it immutable, sow does nothing and the program is unchanged.
         self.sow("intermediates", "queries", q)
         self.sow("intermediates", "keys", k)
+        if rows is not None:  # a ragged batch: attention in its rows' [R, T] layout
+            q, k, v = (to_rows(a, rows, mask.query_positions.shape) for a in (q, k, v))
+            positions = mask.query_positions
         k_cache = write_kv(k_cache, k, slots, positions)
         v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
@@ -168,6 +200,8 @@ class SelfAttention(nn.Module):
             out = attention(q, k, v, mask, window, options=self.options)
         else:
             out = cache_attention(q, k_cache, v_cache, slots, mask, window, self.options)
+        if rows is not None:
+            out = from_rows(out, rows)
         out = linear(c.hidden_size, name="o_proj")(out.reshape(b, t, -1), scope(lora, "o_proj"))
         return out, k_cache, v_cache
 
@@ -179,12 +213,12 @@ class DecoderLayer(nn.Module):
     options: KernelOptions = KernelOptions()
 
     @nn.compact
-    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora):
+    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
         attn = SelfAttention(c, self.layer_idx, self.dtype, self.options, name="attn")
         h, k_cache, v_cache = attn(
-            h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn")
+            h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn"), rows
         )
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
@@ -212,7 +246,12 @@ class DecoderLM(nn.Module):
                 c.vocab_size, dtype=self.dtype, out_dtype=jnp.float32, options=self.options
             )
 
-    def __call__(self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None):
+    def __call__(
+        self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None, rows=None
+    ):
+        """``rows``: a ragged batch's token places (``ragged_rows``): ``tokens`` and
+        ``positions`` are then ``[N, 1]`` (one token a row for every matmul) and ``mask``
+        describes the ``[R, T]`` rows the attention sees."""
         angles = rotary_angles(
             positions, self.config.rope.inverse_frequencies(self.config.head_dim)
         )
@@ -229,6 +268,7 @@ class DecoderLM(nn.Module):
                 slots,
                 fresh,
                 scope(lora, f"layers_{i}"),
+                rows,
             )
             ks.append(k_cache)
             vs.append(v_cache)
@@ -277,23 +317,33 @@ def _run(
     fresh=False,
     lora=None,
     options: KernelOptions = KernelOptions(),
+    rows=None,
 ):
     """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
 
     ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
+    ``rows`` (``ragged_rows``): ``tokens`` is a ragged batch's flat ``[N]``, its rows' tokens
+    one after another (``num_new`` each); the hidden states are then ``[N, 1, D]``.
     """
     model = DecoderLM(config, _params_dtype(params), options)
-    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    t = tokens.shape[0] if rows is not None else tokens.shape[1]
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     key_lengths = starts + num_new
     mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
-    hidden, kv = model.apply({"params": params}, tokens, positions, mask, kv, slots, fresh, lora)
+    if rows is not None:  # each token a row of its own for the matmuls, at its own position
+        places = jnp.minimum(rows, positions.size - 1)
+        tokens, positions = tokens[:, None], positions.reshape(-1)[places][:, None]
+    apply = (tokens, positions, mask, kv, slots, fresh, lora, rows)
+    hidden, kv = model.apply({"params": params}, *apply)
     rows = jnp.arange(kv.num_slots) if slots is None else slots
     kv = kv.with_lengths(kv.lengths.at[rows].set(key_lengths))
     return model, hidden, kv
 
 
 @partial(
-    jax.jit, static_argnames=("config", "fresh", "options", "with_hidden"), donate_argnames=("kv",)
+    jax.jit,
+    static_argnames=("config", "fresh", "options", "with_hidden", "ragged"),
+    donate_argnames=("kv",),
 )
 def prefill(
     params,
@@ -307,18 +357,29 @@ def prefill(
     *,
     options: KernelOptions = KernelOptions(),
     with_hidden: bool = False,
+    ragged: bool = False,
 ) -> tuple[Any, KVCache]:
     """Writes tokens[B, T] (first ``lengths[b]`` real) into rows ``slots``; logits of the last.
 
     ``fresh`` starts new sequences in those rows; otherwise the tokens are appended to what
     the rows hold (chunked prefill). ``with_hidden``: (logits, the final hidden states
     [B, T, D] of every position) in place of the logits (a draft head reads them).
+
+    ``ragged``: ``tokens`` is flat, ``[N]``: row b's ``lengths[b]`` tokens after row b-1's,
+    then padding. Every matmul then computes N positions, not B times the longest row's;
+    attention sees the rows as ``[B, N]`` (``ragged_rows``), as does ``with_hidden``'s output.
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
+    rows = ragged_rows(lengths, tokens.shape[0]) if ragged else None
     model, hidden, kv = _run(
-        params, config, tokens, starts, lengths, slots, kv, fresh, lora, options
+        params, config, tokens, starts, lengths, slots, kv, fresh, lora, options, rows
     )
-    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    if ragged:
+        last = hidden[jnp.maximum(jnp.cumsum(lengths) - 1, 0)]
+        if with_hidden:
+            hidden = to_rows(hidden, rows, (lengths.shape[0], tokens.shape[0]))
+    else:
+        last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
     return ((logits, hidden) if with_hidden else logits), kv
 
@@ -566,16 +627,19 @@ class Runner:
         adapters: Sequence[int] | None = None,
         min_len: int = 0,
         with_hidden: bool = False,
+        ragged: bool = False,
     ) -> tuple[Any, KVCache]:
         """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``.
 
         ``min_len`` pads the batch to at least that many tokens: a caller with a coarser
         ladder of chunk sizes than ``bucket`` keeps to its own (fewer) compiled shapes.
         ``with_hidden``: (logits, hidden states [B, T, D]) in place of the logits.
+        ``ragged``: the prompts' tokens one after another, padded to ``min_len`` in all
+        (``prefill``'s ragged batch; a prompt may then be empty: a row that computes nothing).
         """
         del requests  # nothing per request changes a decoder prefill
         args, kwargs = self._prefill_args(
-            state, slots, prompts, continuing, adapters, min_len, with_hidden
+            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
         )
         return prefill(*args, **kwargs)
 
@@ -588,21 +652,36 @@ class Runner:
         adapters: Sequence[int] | None = None,
         min_len: int = 0,
         with_hidden: bool = False,
+        ragged: bool = False,
     ) -> jax.stages.Lowered:
         """``prefill``'s program for these inputs, traced but neither compiled nor run (the
         engine compiles its shapes on threads, then its calls find them compiled)."""
         args, kwargs = self._prefill_args(
-            state, slots, prompts, continuing, adapters, min_len, with_hidden
+            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
         )
         return prefill.lower(*args, **kwargs)
 
-    def _prefill_args(self, state, slots, prompts, continuing, adapters, min_len, with_hidden):
+    def _prefill_args(
+        self, state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
+    ):
         lengths = [len(p) for p in prompts]
-        if min(lengths) < 1:
-            raise ValueError("a prompt is empty; give at least one token.")
-        tokens = np.zeros((len(prompts), bucket(max(*lengths, min_len))), np.int32)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = prompt
+        if ragged:
+            if sum(lengths) > min_len:
+                raise ValueError(
+                    f"a ragged prefill of {sum(lengths)} tokens exceeds its {min_len}; pass "
+                    "min_len of at least the prompts' total."
+                )
+            tokens = np.zeros((min_len,), np.int32)
+            tokens[: sum(lengths)] = [t for p in prompts for t in p]
+            if adapters is not None:  # an adapter per token: each is a row of the matmuls
+                adapters = [a for a, n in zip(adapters, lengths, strict=True) for _ in range(n)]
+                adapters += [-1] * (min_len - len(adapters))
+        else:
+            if min(lengths) < 1:
+                raise ValueError("a prompt is empty; give at least one token.")
+            tokens = np.zeros((len(prompts), bucket(max(*lengths, min_len))), np.int32)
+            for row, prompt in enumerate(prompts):
+                tokens[row, : len(prompt)] = prompt
         lora = self._lora(adapters)
         args = (
             self.params,
@@ -613,6 +692,7 @@ class Runner:
             state,
         )
         kwargs = {"fresh": not continuing, "lora": lora, "options": self.options}
+        kwargs |= {"ragged": True} if ragged else {}
         return args, kwargs | ({"with_hidden": True} if with_hidden else {})
 
     def decode(

@@ -98,7 +98,13 @@ from spark_jax.serving.executor import (
     check_sampler_width,
 )
 from spark_jax.serving.pages import PageAllocator
-from spark_jax.serving.scheduler import ChunkBudget, Scheduler, SequenceState, pow2_ladder
+from spark_jax.serving.scheduler import (
+    ChunkBudget,
+    Scheduler,
+    SequenceState,
+    pow2_ladder,
+    ragged_ladder,
+)
 from spark_jax.serving.speculation import SpeculativeConfig
 from spark_jax.serving.warmup import warmup
 
@@ -108,7 +114,7 @@ MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
 # Constructor keywords by model kind (max_num_seqs, max_model_len, max_prefill_seqs: both).
 DECODER_ONLY_OPTIONS = ("max_batch_tokens", "kv_pages", "page_size", "min_chunk")
 DECODER_ONLY_OPTIONS += ("min_decode_pages", "decode_widths", "gpu_memory_utilization")
-DECODER_ONLY_OPTIONS += ("max_num_batched_tokens", "num_scheduler_steps")
+DECODER_ONLY_OPTIONS += ("max_num_batched_tokens", "num_scheduler_steps", "ragged_prefill")
 
 log = logging.getLogger("spark_jax.serving")
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
@@ -186,9 +192,10 @@ class Engine:
     max_batch_tokens: padded prefill tokens per step (a power of two >= 16, default 256);
         also the longest prefill chunk.
     kv_pages, page_size: the page pool (pages of 16 by default); by default every row can
-        reach max_model_len. On the GPU the decode step reads pages in place only when
-        ``kv_pages`` is a multiple of ``max_num_seqs`` with at least ``max_model_len`` worth
-        of pages per row (the default is); any other pool falls back to gathering the rows.
+        reach max_model_len. On the GPU the decode step reads pages in place: with cuDNN's
+        paged attention where ``kv_pages`` is a multiple of the step's rows with at least
+        ``max_model_len`` worth of pages per row (the default pool is), else with our paged
+        kernel on Hopper (bf16 / f16); elsewhere it gathers the rows.
     min_chunk, min_decode_pages: the lowest rungs of the prefill-length and block-table
         ladders; raising them trades padding for fewer compiles (each costs ~25 s for an
         unrolled 8B model on the H200).
@@ -198,8 +205,15 @@ class Engine:
         the pages of their keys are free: the host's work per token (planning, dispatch,
         reading) is shared by the steps. Outputs are unchanged; a row that finishes inside
         a call frees its slot at the call's end. Warm-up compiles one more program per
-        decode width. On the H200 (Llama-3-8B shapes, 64 clients) 4 steps a call have so far
-        measured slower than single steps (benchmarks/NOTES.md): keep 1 there for now.
+        decode width. On an H100 (Llama-3-8B shapes, the serving suite's requests) 4 steps a
+        call gave 1.13x the throughput of 1 at 64 clients and 1.07x at 256, and a TTFT p50
+        of 46 ms against 32 at 64 (an arrival waits for the call in flight).
+    ragged_prefill: a prefill batch's rows lie one after another (``max_batch_tokens`` then
+        bounds their real tokens, and only their total is padded, to a rung of a ladder
+        eight rungs fine under ``max_batch_tokens``) instead of each row padded to the
+        longest's rung: the matmuls compute fewer padding positions (the serving suite's
+        prompts pad 1.87x as [B, T] batches). Attention still sees ``max_prefill_seqs`` rows
+        as long as the batch. Default False (not yet measured on the GPU).
 
     Encoder-decoder models:
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
@@ -232,6 +246,7 @@ class Engine:
         max_num_beams: int | None = None,
         speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
         num_scheduler_steps: int | None = None,
+        ragged_prefill: bool | None = None,
     ):
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
@@ -239,7 +254,7 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens,
             max_source_len=max_source_len, max_num_beams=max_num_beams,
-            num_scheduler_steps=num_scheduler_steps,
+            num_scheduler_steps=num_scheduler_steps, ragged_prefill=ragged_prefill,
         )  # fmt: skip
         encoder_decoder = bool(model.config.is_encoder_decoder)
         wrong = DECODER_ONLY_OPTIONS if encoder_decoder else ENCODER_DECODER_OPTIONS
@@ -285,6 +300,7 @@ class Engine:
                 gpu_memory_utilization,
                 max_num_batched_tokens,
                 num_scheduler_steps or 1,
+                bool(ragged_prefill),
             )
         self._drafter = None
         if self.speculative is not None:
@@ -314,6 +330,7 @@ class Engine:
         gpu_memory_utilization: float | None,
         max_num_batched_tokens: int | None,
         num_scheduler_steps: int,
+        ragged_prefill: bool,
     ) -> None:
         if num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}.")
@@ -353,7 +370,11 @@ class Engine:
             pow2_ladder(1, top_rows),
             PageAllocator(kv_pages, self.enable_prefix_caching),
             page_size,
-            ChunkBudget(max_batch_tokens, pow2_ladder(min_chunk, max_batch_tokens)),
+            ChunkBudget(
+                max_batch_tokens,
+                (ragged_ladder if ragged_prefill else pow2_ladder)(min_chunk, max_batch_tokens),
+                ragged_prefill,
+            ),
             max_num_batched_tokens,
         )
         low = min(min_decode_pages, max_pages_per_seq)
@@ -369,6 +390,7 @@ class Engine:
             0 if self.speculative is None else self.speculative.num_speculative_tokens,
             num_scheduler_steps,
             keep_hidden=self.speculative is not None and self.speculative.method == "head",
+            ragged_prefill=ragged_prefill,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",

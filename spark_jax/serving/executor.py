@@ -797,9 +797,11 @@ class PagedExecutor:
         num_speculative_tokens: int = 0,
         num_scheduler_steps: int = 1,
         keep_hidden: bool = False,
+        ragged_prefill: bool = False,
     ):
         c = model.config
         self.runner = model.runner
+        self.ragged_prefill = ragged_prefill  # prefill batches are ragged (``ChunkBudget``)
         self.num_speculative_tokens = num_speculative_tokens  # K: 0 runs no verify step
         self.num_scheduler_steps = num_scheduler_steps  # a multi-step decode's steps
         self.num_multi_step_calls = 0  # multi-step decodes run
@@ -857,6 +859,11 @@ class PagedExecutor:
     def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
         # Adapters go to the runner only when a pool exists, so plain models keep one compile.
         return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
+
+    def _ragged(self) -> dict[str, bool]:
+        """The prefill's ``ragged`` argument (given only when set: a runner without ragged
+        batches takes none)."""
+        return {"ragged": True} if self.ragged_prefill else {}
 
     def _hidden(self) -> dict[str, bool]:
         """The steps' ``with_hidden`` argument when they keep their hidden states."""
@@ -1058,7 +1065,9 @@ class PagedExecutor:
         pad = padded - len(rows)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
         row_slots = [r.seq.slot for r in rows] + [nowhere] * pad
-        chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows] + [[0]] * pad
+        # A ragged batch's padding rows hold no token; a [B, T] batch's one each.
+        chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows]
+        chunks += [[] if self.ragged_prefill else [0]] * pad
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
         out, self.state = self.runner.prefill(
             self._device_state(self.max_pages_per_seq),
@@ -1068,6 +1077,7 @@ class PagedExecutor:
             min_len=plan.prefill_len,
             **self._lora(adapters),
             **self._hidden(),
+            **self._ragged(),
         )
         chunk_logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
         for r in rows:
@@ -1140,8 +1150,10 @@ class PagedExecutor:
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
         lora = self._lora(_warm_adapters(rows, step.adapted))
-        kwargs = {"continuing": True, "min_len": chunk} | lora | self._hidden()
-        return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
+        kwargs = {"continuing": True, "min_len": chunk} | lora | self._hidden() | self._ragged()
+        # A ragged batch of ``chunk`` tokens in all: the first row's.
+        prompts = [[0] * chunk] + [[] if self.ragged_prefill else [0] * chunk] * (rows - 1)
+        return (state, [self.num_slots] * rows, prompts), kwargs
 
     def warm_keep(self, out: Any) -> jax.Array:
         """A warm-up step's logits, its hidden states stored nowhere (slots out of range) as

@@ -15,7 +15,8 @@ A ``Scheduler`` holds the waiting queue and the slots of the running sequences; 
    of everything they must compute) is free. A step that preempted admits nobody.
 
 With ``chunks`` (a ``ChunkBudget``) prompts are read in chunks that pack into one ``[B, T]``
-batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens`` (and,
+batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens``, or,
+ragged, one after another, at most ``max_batch_tokens`` real tokens in all (and,
 with ``max_num_batched_tokens``, at most that many tokens in a step, decode rows included);
 without, each admitted prompt is read whole in the step that admits it, up to the row
 ladder's top of them (an encoder-decoder's source: its encoder attends both ways). Without
@@ -51,6 +52,13 @@ def pow2_ladder(low: int, high: int) -> list[int]:
     while rungs[-1] < high:
         rungs.append(min(rungs[-1] * 2, high))
     return rungs
+
+
+def ragged_ladder(low: int, high: int) -> list[int]:
+    """A ragged batch's token totals: ``pow2_ladder(low, high)`` and every eighth of
+    ``high`` from ``low`` up (low 128, high 1024: 128, 256, 384, ... 1024)."""
+    eighths = {k * high // 8 for k in range(1, 9) if k * high // 8 >= low}
+    return sorted(set(pow2_ladder(low, high)) | eighths)
 
 
 def rung(ladder: Sequence[int], n: int) -> int:
@@ -172,10 +180,16 @@ class StepPlan:
 @dataclass(frozen=True)
 class ChunkBudget:
     """Chunked prefill: chunks of ``chunk_ladder`` lengths, at most ``max_batch_tokens``
-    padded tokens (rows x chunk) per prefill batch."""
+    padded tokens (rows x chunk) per prefill batch.
+
+    ``ragged``: the batch is ragged (``decoder.prefill(ragged=True)``): its rows' chunks lie
+    one after another, so ``max_batch_tokens`` bounds their real tokens, any chunk length
+    fits, the batch always has the row ladder's top of rows, and only the total is padded,
+    to the ladder's rung."""
 
     max_batch_tokens: int
     chunk_ladder: list[int]
+    ragged: bool = False
 
 
 class Scheduler:
@@ -218,6 +232,8 @@ class Scheduler:
         """Every (rows, chunk) prefill batch a plan can form (chunk 0: whole prompts)."""
         if self.chunks is None:
             return [(b, 0) for b in self.row_ladder]
+        if self.chunks.ragged:
+            return [(self.row_ladder[-1], t) for t in self.chunks.chunk_ladder]
         budget = self.chunks.max_batch_tokens
         return [
             (b, t) for b in self.row_ladder for t in self.chunks.chunk_ladder if b * t <= budget
@@ -283,7 +299,11 @@ class Scheduler:
         self._plan_prefill(plan, not plan.preempted, budget)
         if plan.prefill:
             plan.prefill_rows = rung(self.row_ladder, len(plan.prefill))
-            if self.chunks is not None:
+            if self.chunks is not None and self.chunks.ragged:
+                plan.prefill_rows = self.row_ladder[-1]
+                total = sum(row.length for row in plan.prefill)
+                plan.prefill_len = rung(self.chunks.chunk_ladder, total)
+            elif self.chunks is not None:
                 longest = max(row.length for row in plan.prefill)
                 plan.prefill_len = rung(self.chunks.chunk_ladder, longest)
         return plan
@@ -426,6 +446,8 @@ class Scheduler:
             return 0
         if self.chunks is None:
             return 1 << 62  # a whole prompt
+        if self.chunks.ragged:  # what the batch's real tokens leave of the budget
+            return max(budget - sum(row.length for row in rows), 0)
         # The longest rung within the budget: a chunk is padded up to a rung.
         most = budget // rung(self.row_ladder, n)
         cap = max((t for t in self.chunks.chunk_ladder if t <= most), default=0)

@@ -38,3 +38,29 @@ def test_greedy_generate_is_token_identical_to_hf_generate(hf_and_model):
         result = sj.generate(model, ids, GREEDY)
         assert result.output_tokens == ref, name
         assert result.finish_reason == "length"
+
+
+def test_ragged_prefill_gives_each_rows_logits_in_one_and_two_chunks(hf_and_model):
+    """A ragged prefill (rows' tokens flat, one matmul row each) against HF: each row's last
+    logits, in one call and as chunks of two calls (the second continuing the rows), with a
+    row that has no token in the second."""
+    name, hf, model = hf_and_model
+    runner = model.runner
+    prompts = [random_prompt(10 + i, n) for i, n in enumerate((5, 13, 1, 9))]
+    refs = np.stack([_hf_logits(hf, p)[-1] for p in prompts])
+    state = runner.init_state(6, 32)
+    logits, state = runner.prefill(state, [4, 0, 2, 5], prompts, min_len=32, ragged=True)
+    rel = np.abs(np.asarray(logits) - refs).max() / np.abs(refs).max()
+    assert rel <= 1e-4, f"{name}: one call, relative error {rel:.2e}"
+    cut = [3, 8, 1, 9]  # the last row is whole in the first call
+    state = runner.init_state(6, 32)
+    first = [p[:c] for p, c in zip(prompts, cut, strict=True)]
+    _, state = runner.prefill(state, [4, 0, 2, 5], first, min_len=32, ragged=True)
+    rest = [p[c:] for p, c in zip(prompts, cut, strict=True)]
+    logits, state = runner.prefill(
+        state, [4, 0, 2, 5], rest, continuing=True, min_len=16, ragged=True
+    )
+    got = np.asarray(logits)[:2]  # the rows whose prompts end in this call
+    rel = np.abs(got - refs[:2]).max() / np.abs(refs[:2]).max()
+    assert rel <= 1e-4, f"{name}: two chunks, relative error {rel:.2e}"
+    np.testing.assert_array_equal(np.asarray(state.lengths)[[4, 0, 2, 5]], [5, 13, 1, 9])
