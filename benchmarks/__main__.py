@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: decode steps per device call when a step only decodes (default: the plan's)",
     )
     parser.add_argument(
+        "--ragged-prefill",
+        action="store_true",
+        help="serving: the engine's prefill batches ragged (sj.Engine(ragged_prefill=True))",
+    )
+    parser.add_argument(
         "--profile-concurrency",
         type=int,
         default=None,
@@ -162,6 +167,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.profile_concurrency:
         out += ["--profile-concurrency", str(args.profile_concurrency)]
+    if args.ragged_prefill:
+        out += ["--ragged-prefill"]
     if args.http:
         out += ["--http"]
     if args.quantize:
@@ -184,6 +191,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["num_scheduler_steps"] = args.num_scheduler_steps
     if args.profile_concurrency:
         out["profile_concurrency"] = args.profile_concurrency
+    if args.ragged_prefill:
+        out["ragged_prefill"] = True
     if args.http:
         out["http"] = True
     if args.quantize:

@@ -3,7 +3,7 @@ once per decode-steps-per-call setting, each then profiled in a pass of its own,
 the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
-        [--num-scheduler-steps 1 4] [--no-profile] [--tiny]
+        [--num-scheduler-steps 1 4] [--no-profile] [--ragged-prefill] [--tiny]
 
 Each level takes the suite's requests and count (``--requests`` overrides the count). Prints
 the bare decode step at each level's width and mean context (device-timed, the engine's own
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")
     parser.add_argument("--requests", type=int, help="per level (default: the suite's count)")
     parser.add_argument("--no-profile", action="store_true", help="no profiled pass")
+    parser.add_argument("--ragged-prefill", action="store_true", help="ragged prefill batches")
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
@@ -50,6 +51,7 @@ def main() -> None:
         SMALL if args.tiny else FULL,
         engine_slots=args.slots,
         num_scheduler_steps=most,
+        ragged_prefill=args.ragged_prefill,
     )
     engine, timings = build_engine(plan)
     print("engine", json.dumps(timings), flush=True)
