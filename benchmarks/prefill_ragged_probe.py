@@ -50,7 +50,7 @@ def main() -> None:
         lengths = tuple(max(1, n * cap // 1024) for n in lengths)  # the tiny plan: scaled
         chunks = [rng.integers(0, plan.config.vocab_size, n).tolist() for n in lengths]
         t = rung(pow2_ladder(plan.min_chunk, 2 * cap), max(lengths))
-        n = rung(ragged_ladder(plan.min_chunk, 2 * cap), sum(lengths))
+        n = rung(ragged_ladder(plan.min_chunk, cap), sum(lengths))  # the engine's ladder
         padded = chunks + [[]] * (args.rows - len(chunks))
 
         def dense(st, chunks=chunks, b=b, t=t):

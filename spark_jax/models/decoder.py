@@ -158,6 +158,15 @@ def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return flat.reshape(r, t, *x.shape[2:])
 
 
+def ragged_slots(rows: jax.Array, slots: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+    """The cache row of each token of a ragged batch (its row's slot; padding none: a slot
+    out of range, whose writes are dropped)."""
+    r, t = shape
+    row_slots = jnp.arange(r, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
+    nowhere = jnp.iinfo(jnp.int32).max
+    return jnp.where(rows < r * t, row_slots[jnp.minimum(rows // t, r - 1)], nowhere)
+
+
 def from_rows(y: jax.Array, rows: jax.Array) -> jax.Array:
     """``y [R, T, ...]`` back to a ragged batch's ``[N, 1, ...]`` (padding reads place 0)."""
     r, t = y.shape[:2]
@@ -190,11 +199,20 @@ class SelfAttention(nn.Module):
         # collection leaves it immutable, sow does nothing and the program is unchanged.
         self.sow("intermediates", "queries", q)
         self.sow("intermediates", "keys", k)
-        if rows is not None:  # a ragged batch: attention in its rows' [R, T] layout
-            q, k, v = (to_rows(a, rows, mask.query_positions.shape) for a in (q, k, v))
-            positions = mask.query_positions
-        k_cache = write_kv(k_cache, k, slots, positions)
-        v_cache = write_kv(v_cache, v, slots, positions)
+        if rows is not None:
+            # A ragged batch: each token writes its key where it lies (a row of its own), and
+            # only what attention reads moves to the rows' [R, T] layout (the queries, and a
+            # fresh chunk's keys: a continuing one's are read from the cache).
+            shape = mask.query_positions.shape
+            token_slots = ragged_slots(rows, slots, shape)
+            k_cache = write_kv(k_cache, k, token_slots, positions)
+            v_cache = write_kv(v_cache, v, token_slots, positions)
+            q = to_rows(q, rows, shape)
+            if fresh:
+                k, v = to_rows(k, rows, shape), to_rows(v, rows, shape)
+        else:
+            k_cache = write_kv(k_cache, k, slots, positions)
+            v_cache = write_kv(v_cache, v, slots, positions)
         window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
         if fresh:  # a new sequence sees only this chunk: no read of the (longer) cache rows
             out = attention(q, k, v, mask, window, options=self.options)
