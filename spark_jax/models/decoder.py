@@ -5,6 +5,7 @@ unrolled Python modules (never ``lax.scan``: the scanned decode step measured 2.
 the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
 
     prefill(params, config, tokens[B,T], lengths[B], slots[B], kv) -> (logits[B,V], kv)
+      (ragged=True: tokens[N], the rows' tokens one after another: ``ragged_rows``)
     decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
     verify_hidden(...same...)                     -> ((logits[B,T,V], hidden[B,T,D]), kv)
@@ -353,8 +354,8 @@ def _run(
         tokens, positions = tokens[:, None], positions.reshape(-1)[places][:, None]
     apply = (tokens, positions, mask, kv, slots, fresh, lora, rows)
     hidden, kv = model.apply({"params": params}, *apply)
-    rows = jnp.arange(kv.num_slots) if slots is None else slots
-    kv = kv.with_lengths(kv.lengths.at[rows].set(key_lengths))
+    written = jnp.arange(kv.num_slots) if slots is None else slots
+    kv = kv.with_lengths(kv.lengths.at[written].set(key_lengths))
     return model, hidden, kv
 
 
