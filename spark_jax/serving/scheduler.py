@@ -157,7 +157,9 @@ class StepPlan:
     prefill: list[PrefillRow] = field(default_factory=list)
     preempted: list[SequenceState] = field(default_factory=list)
     prefill_rows: int = 0  # the prefill batch's rows, padded to the row ladder
-    prefill_len: int = 0  # its chunk length, padded to the chunk ladder (0: whole prompts)
+    # Its chunk length, padded to the chunk ladder (0: whole prompts); a ragged batch's: its
+    # rows' tokens in all, padded to the ladder.
+    prefill_len: int = 0
     # A multi-step decode (``Scheduler.extend``): the steps of the device call, and the tokens
     # each decode row generates in it (fewer where its max_new comes first); empty: one each.
     num_steps: int = 1
@@ -229,7 +231,8 @@ class Scheduler:
     # -- queries ----------------------------------------------------------------------------
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, chunk) prefill batch a plan can form (chunk 0: whole prompts)."""
+        """Every (rows, chunk) prefill batch a plan can form (chunk 0: whole prompts; a
+        ragged batch: (the row ladder's top, its padded total of tokens))."""
         if self.chunks is None:
             return [(b, 0) for b in self.row_ladder]
         if self.chunks.ragged:
