@@ -20,6 +20,7 @@ from spark_jax.serving.scheduler import (
     SequenceState,
     StepPlan,
     pow2_ladder,
+    ragged_ladder,
 )
 
 
@@ -201,6 +202,27 @@ def test_chunked_prefill_respects_the_ladders_and_the_token_budget():
     for shape in s.prefill_shapes():
         assert shape[0] * shape[1] <= 64
     assert (plan.prefill_rows, plan.prefill_len) in s.prefill_shapes()
+
+
+def test_a_ragged_budget_bounds_real_tokens_and_pads_only_their_total():
+    """Ragged batches: rows join while real tokens remain in the budget (a long prompt takes
+    what is left, as a chunk), every batch has the row ladder's top of rows, and only the
+    total is padded, to a rung of the ragged ladder."""
+    budget = ChunkBudget(64, ragged_ladder(16, 64), ragged=True)
+    s = Scheduler(4, pow2_ladder(1, 4), PageAllocator(64), 4, budget)
+    assert ragged_ladder(16, 64) == [16, 24, 32, 40, 48, 56, 64]
+    assert s.prefill_shapes() == [(4, t) for t in ragged_ladder(16, 64)]
+    a, b, c = seq(0, 20), seq(1, 30), seq(2, 50)
+    for x in (a, b, c):
+        s.add(x)
+    plan = s.plan()  # 20 + 30, then c takes the 14 left (a [B, T] batch took a and b only)
+    rows = lambda plan: [(r.seq, r.start, r.length) for r in plan.prefill]  # noqa: E731
+    assert rows(plan) == [(a, 0, 20), (b, 0, 30), (c, 0, 14)]
+    assert (plan.prefill_rows, plan.prefill_len) == (4, 64)
+    run_step(s)
+    plan = s.plan()  # c's rest, 36 tokens: padded to 40, not to a power of two
+    assert plan.decode == [a, b] and rows(plan) == [(c, 14, 36)]
+    assert (plan.prefill_rows, plan.prefill_len) == (4, 40)
 
 
 def test_the_row_ladder_caps_the_rows_of_one_prefill():
