@@ -208,12 +208,14 @@ class Engine:
         decode width. On an H100 (Llama-3-8B shapes, the serving suite's requests) 4 steps a
         call gave 1.13x the throughput of 1 at 64 clients and 1.07x at 256, and a TTFT p50
         of 46 ms against 32 at 64 (an arrival waits for the call in flight).
-    ragged_prefill: a prefill batch's rows lie one after another (``max_batch_tokens`` then
-        bounds their real tokens, and only their total is padded, to a rung of a ladder
-        eight rungs fine under ``max_batch_tokens``) instead of each row padded to the
-        longest's rung: the matmuls compute fewer padding positions (the serving suite's
-        prompts pad 1.87x as [B, T] batches). Attention still sees ``max_prefill_seqs`` rows
-        as long as the batch. Default False (not yet measured on the GPU).
+    ragged_prefill: a prefill batch's rows lie one after another instead of each row padded
+        to the longest's rung: ``max_batch_tokens`` then bounds their real tokens, and only
+        their total is padded, to the next eighth of ``max_batch_tokens``
+        (``scheduler.ragged_ladder``), so the matmuls compute fewer padding positions (the
+        serving suite's prompts pad 1.87x as [B, T] batches, 1.09x ragged, in a CPU replay).
+        Attention still sees the row ladder's top of rows, each as long as the batch: on an
+        H100 that layout cost ~1.4-1.9 us a position beyond a [B, T] batch's. Default False
+        until the engine is measured with it (``benchmarks/NOTES.md``).
 
     Encoder-decoder models:
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
