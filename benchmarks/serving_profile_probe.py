@@ -3,9 +3,11 @@ once per decode-steps-per-call setting, each then profiled in a pass of its own,
 the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
-        [--num-scheduler-steps 1 4] [--no-profile] [--ragged-prefill] [--tiny]
+        [--num-scheduler-steps 1 4] [--no-profile] [--ragged-prefill off on] [--tiny]
 
-Each level takes the suite's requests and count (``--requests`` overrides the count). Prints
+``--ragged-prefill off on`` builds the suite's engine twice, [B, T] prefill batches then
+ragged ones (``sj.Engine(ragged_prefill=True)``), and runs every level on each: a same-call
+A/B. Each level takes the suite's requests and count (``--requests`` overrides it). Prints
 the bare decode step at each level's width and mean context (device-timed, the engine's own
 program); then per level and setting (the engine is built for the largest, its
 multi-step programs compiled, and runs one step per call for 1) the level's throughput,
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+from typing import Any
 
 import numpy as np
 
@@ -42,19 +46,33 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")
     parser.add_argument("--requests", type=int, help="per level (default: the suite's count)")
     parser.add_argument("--no-profile", action="store_true", help="no profiled pass")
-    parser.add_argument("--ragged-prefill", action="store_true", help="ragged prefill batches")
+    parser.add_argument(
+        "--ragged-prefill",
+        nargs="+",
+        choices=("off", "on"),
+        default=["off"],
+        help="prefill batches [B, T] (off) or ragged (on); both: one engine after the other",
+    )
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
-    plan = dataclasses.replace(
-        SMALL if args.tiny else FULL,
-        engine_slots=args.slots,
-        num_scheduler_steps=most,
-        ragged_prefill=args.ragged_prefill,
-    )
-    engine, timings = build_engine(plan)
-    print("engine", json.dumps(timings), flush=True)
+    for ragged in args.ragged_prefill:
+        plan = dataclasses.replace(
+            SMALL if args.tiny else FULL,
+            engine_slots=args.slots,
+            num_scheduler_steps=most,
+            ragged_prefill=ragged == "on",
+        )
+        engine, timings = build_engine(plan)
+        print(f"engine, ragged prefill {ragged}", json.dumps(timings), flush=True)
+        run_levels(engine, plan, args)
+        del engine  # its page pool, before the next engine takes one of its own
+        gc.collect()
+
+
+def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
+    """Each level of ``args`` on ``engine``, once per steps-per-call setting."""
     # The suite's requests: the plan's whole draw, then the first ones (a draw of fewer gives
     # other output lengths: prompts and outputs come from one stream, in turn).
     drawn = workload(plan)
