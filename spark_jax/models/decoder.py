@@ -159,13 +159,12 @@ def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return flat.reshape(r, t, *x.shape[2:])
 
 
-def ragged_slots(rows: jax.Array, slots: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+def ragged_slots(rows: jax.Array, slots: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """The cache row of each token of a ragged batch (its row's slot; padding none: a slot
     out of range, whose writes are dropped)."""
     r, t = shape
-    row_slots = jnp.arange(r, dtype=jnp.int32) if slots is None else slots.astype(jnp.int32)
     nowhere = jnp.iinfo(jnp.int32).max
-    return jnp.where(rows < r * t, row_slots[jnp.minimum(rows // t, r - 1)], nowhere)
+    return jnp.where(rows < r * t, slots[jnp.minimum(rows // t, r - 1)], nowhere)
 
 
 def from_rows(y: jax.Array, rows: jax.Array) -> jax.Array:
