@@ -61,9 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: decode steps per device call when a step only decodes (default: the plan's)",
     )
     parser.add_argument(
-        "--ragged-prefill",
-        action="store_true",
-        help="serving: the engine's prefill batches ragged (sj.Engine(ragged_prefill=True))",
+        "--prefill-batches",
+        choices=("padded", "ragged", "mixed"),
+        default=None,
+        help="serving: the engine's prefill batches [B, T] (padded), ragged "
+        "(sj.Engine(ragged_prefill=True)) or ragged with the decode rows riding in them "
+        "(mixed_batches=True); default: the plan's (ragged)",
     )
     parser.add_argument(
         "--profile-concurrency",
@@ -167,8 +170,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.profile_concurrency:
         out += ["--profile-concurrency", str(args.profile_concurrency)]
-    if args.ragged_prefill:
-        out += ["--ragged-prefill"]
+    if args.prefill_batches:
+        out += ["--prefill-batches", args.prefill_batches]
     if args.http:
         out += ["--http"]
     if args.quantize:
@@ -191,8 +194,9 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["num_scheduler_steps"] = args.num_scheduler_steps
     if args.profile_concurrency:
         out["profile_concurrency"] = args.profile_concurrency
-    if args.ragged_prefill:
-        out["ragged_prefill"] = True
+    if args.prefill_batches:
+        out["ragged_prefill"] = args.prefill_batches != "padded"
+        out["mixed_batches"] = args.prefill_batches == "mixed"
     if args.http:
         out["http"] = True
     if args.quantize:

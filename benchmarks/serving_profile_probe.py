@@ -3,11 +3,13 @@ once per decode-steps-per-call setting, each then profiled in a pass of its own,
 the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
-        [--num-scheduler-steps 1 4] [--no-profile] [--ragged-prefill off on] [--tiny]
+        [--num-scheduler-steps 1 4] [--no-profile] [--prefill-batches padded ragged mixed]
+        [--tiny]
 
-``--ragged-prefill off on`` builds the suite's engine twice, [B, T] prefill batches then
-ragged ones (``sj.Engine(ragged_prefill=True)``), and runs every level on each: a same-call
-A/B. Each level takes the suite's requests and count (``--requests`` overrides it). Prints
+``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
+(padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
+in them (``mixed_batches=True``), and runs every level on each: a same-call A/B. Each level
+takes the suite's requests and count (``--requests`` overrides it). Prints
 the bare decode step at each level's width and mean context (device-timed, the engine's own
 program); then per level and setting (the engine is built for the largest, its
 multi-step programs compiled, and runs one step per call for 1) the level's throughput,
@@ -39,6 +41,8 @@ from benchmarks.serving import (
 )
 from spark_jax.serving.scheduler import rung
 
+BATCHES = ("padded", "ragged", "mixed")  # the prefill batches of ``--prefill-batches``
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -47,25 +51,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="per level (default: the suite's count)")
     parser.add_argument("--no-profile", action="store_true", help="no profiled pass")
     parser.add_argument(
-        "--ragged-prefill",
+        "--prefill-batches",
         nargs="+",
-        choices=("off", "on"),
-        default=["off"],
-        help="prefill batches [B, T] (off) or ragged (on); both: one engine after the other",
+        choices=BATCHES,
+        default=["ragged"],
+        help="[B, T] (padded), ragged, or ragged with the decode rows (mixed): an engine each",
     )
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
-    for ragged in args.ragged_prefill:
+    for batches in args.prefill_batches:
         plan = dataclasses.replace(
             SMALL if args.tiny else FULL,
             engine_slots=args.slots,
             num_scheduler_steps=most,
-            ragged_prefill=ragged == "on",
+            ragged_prefill=batches != "padded",
+            mixed_batches=batches == "mixed",
         )
         engine, timings = build_engine(plan)
-        print(f"engine, ragged prefill {ragged}", json.dumps(timings), flush=True)
+        print(f"engine, {batches} prefill batches", json.dumps(timings), flush=True)
         run_levels(engine, plan, args)
         del engine  # its page pool, before the next engine takes one of its own
         gc.collect()

@@ -55,10 +55,11 @@ def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
     from benchmarks.__main__ import parse_args, plan_args, plan_overrides
 
     argv = ["serving", "--concurrency", "64", "256", "--requests", "300"]
-    argv += ["--num-scheduler-steps", "4", "--profile-concurrency", "256", "--ragged-prefill"]
-    args = parse_args(argv)
+    argv += ["--num-scheduler-steps", "4", "--profile-concurrency", "256"]
+    args = parse_args([*argv, "--prefill-batches", "mixed"])
     want = {"concurrency": (64, 256), "requests": 300, "num_scheduler_steps": 4}
-    assert plan_overrides(args) == want | {"profile_concurrency": 256, "ragged_prefill": True}
+    want |= {"profile_concurrency": 256, "ragged_prefill": True, "mixed_batches": True}
+    assert plan_overrides(args) == want
     assert plan_overrides(parse_args(["serving", *plan_args(args)])) == plan_overrides(args)
 
 

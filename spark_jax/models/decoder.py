@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -174,6 +174,34 @@ def from_rows(y: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.take(flat, jnp.where(rows < r * t, rows, 0), axis=0)[:, None]
 
 
+class DecodeRows(NamedTuple):
+    """The decode rows of a mixed step (``prefill`` with ``decode_slots``): one token each,
+    after the prefill rows' in the flat stream, attending to its row's cache as a decode
+    step's token does."""
+
+    places: jax.Array  # int32[S]: each row's token in the flat stream (N, out of range: none)
+    slots: jax.Array  # int32[S]: its cache row (out of range: none)
+    positions: jax.Array  # int32[S, 1]: its token's position (the row's keys before it)
+    mask: AttentionMask  # one query over its row's keys, its own included
+
+
+def decode_rows(lengths: jax.Array, slots: jax.Array, first: jax.Array, n: int) -> DecodeRows:
+    """Decode rows ``slots`` (out of range: none; the real ones first) of cache rows holding
+    ``lengths`` keys, their tokens at ``first``, ``first + 1``, ... of a flat stream of ``n``."""
+    active = slots < lengths.shape[0]
+    before = jnp.take(lengths, slots, mode="fill", fill_value=0)
+    places = jnp.where(active, first + jnp.arange(slots.shape[0], dtype=jnp.int32), n)
+    mask = AttentionMask(
+        query_positions=before[:, None], key_lengths=jnp.where(active, before + 1, 0)
+    )
+    return DecodeRows(places, slots, before[:, None], mask)
+
+
+def take_places(x: jax.Array, places: jax.Array) -> jax.Array:
+    """Rows ``places`` of a flat stream ``x [N, ...]`` (out of range: the last row's)."""
+    return jnp.take(x, jnp.minimum(places, x.shape[0] - 1), axis=0)
+
+
 class SelfAttention(nn.Module):
     config: ModelConfig
     layer_idx: int
@@ -181,7 +209,10 @@ class SelfAttention(nn.Module):
     options: KernelOptions = KernelOptions()
 
     @nn.compact
-    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None):
+    def __call__(
+        self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None,
+        decoding=None,
+    ):  # fmt: skip
         c = self.config
         b, t, _ = x.shape
         linear = partial(Linear, dtype=self.dtype, options=self.options)
@@ -199,6 +230,13 @@ class SelfAttention(nn.Module):
         # collection leaves it immutable, sow does nothing and the program is unchanged.
         self.sow("intermediates", "queries", q)
         self.sow("intermediates", "keys", k)
+        window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
+        if decoding is not None:
+            # A mixed step's decode rows: their tokens' keys go to their rows' ends and their
+            # queries attend as a decode step's do (the prefill rows never see them).
+            dq, dk, dv = (take_places(y, decoding.places) for y in (q, k, v))
+            k_cache = write_kv(k_cache, dk, decoding.slots, decoding.positions)
+            v_cache = write_kv(v_cache, dv, decoding.slots, decoding.positions)
         if rows is not None:
             # A ragged batch: each token writes its key where it lies (a row of its own), and
             # only what attention reads moves to the rows' [R, T] layout (the queries, and a
@@ -213,13 +251,17 @@ class SelfAttention(nn.Module):
         else:
             k_cache = write_kv(k_cache, k, slots, positions)
             v_cache = write_kv(v_cache, v, slots, positions)
-        window = c.sliding_windows[self.layer_idx] if c.sliding_windows else None
         if fresh:  # a new sequence sees only this chunk: no read of the (longer) cache rows
             out = attention(q, k, v, mask, window, options=self.options)
         else:
             out = cache_attention(q, k_cache, v_cache, slots, mask, window, self.options)
         if rows is not None:
             out = from_rows(out, rows)
+        if decoding is not None:  # read after every write: no read waits on a later write
+            decoded = cache_attention(
+                dq, k_cache, v_cache, decoding.slots, decoding.mask, window, self.options
+            )
+            out = out.at[decoding.places].set(decoded, mode="drop")
         out = linear(c.hidden_size, name="o_proj")(out.reshape(b, t, -1), scope(lora, "o_proj"))
         return out, k_cache, v_cache
 
@@ -231,13 +273,17 @@ class DecoderLayer(nn.Module):
     options: KernelOptions = KernelOptions()
 
     @nn.compact
-    def __call__(self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None):
+    def __call__(
+        self, x, positions, angles, mask, k_cache, v_cache, slots, fresh, lora, rows=None,
+        decoding=None,
+    ):  # fmt: skip
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x)
         attn = SelfAttention(c, self.layer_idx, self.dtype, self.options, name="attn")
         h, k_cache, v_cache = attn(
-            h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn"), rows
-        )
+            h, positions, angles, mask, k_cache, v_cache, slots, fresh, scope(lora, "attn"),
+            rows, decoding,
+        )  # fmt: skip
         x = x + h
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
         c_mlp = (c.hidden_size, c.intermediate_size, self.dtype, c.tensor_parallel, self.options)
@@ -265,11 +311,21 @@ class DecoderLM(nn.Module):
             )
 
     def __call__(
-        self, tokens, positions, mask, kv: KVCache, slots, fresh=False, lora=None, rows=None
+        self,
+        tokens,
+        positions,
+        mask,
+        kv: KVCache,
+        slots,
+        fresh=False,
+        lora=None,
+        rows=None,
+        decoding=None,
     ):
         """``rows``: a ragged batch's token places (``ragged_rows``): ``tokens`` and
         ``positions`` are then ``[N, 1]`` (one token a row for every matmul) and ``mask``
-        describes the ``[R, T]`` rows the attention sees."""
+        describes the ``[R, T]`` rows the attention sees. ``decoding`` (``DecodeRows``): the
+        stream's decode rows, one token each after the ragged rows'."""
         angles = rotary_angles(
             positions, self.config.rope.inverse_frequencies(self.config.head_dim)
         )
@@ -287,6 +343,7 @@ class DecoderLM(nn.Module):
                 fresh,
                 scope(lora, f"layers_{i}"),
                 rows,
+                decoding,
             )
             ks.append(k_cache)
             vs.append(v_cache)
@@ -336,12 +393,14 @@ def _run(
     lora=None,
     options: KernelOptions = KernelOptions(),
     rows=None,
+    decoding: DecodeRows | None = None,
 ):
     """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
 
     ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
     ``rows`` (``ragged_rows``): ``tokens`` is a ragged batch's flat ``[N]``, its rows' tokens
     one after another (``num_new`` each); the hidden states are then ``[N, 1, D]``.
+    ``decoding``: that stream's decode rows (``DecodeRows``), a token each after the rows'.
     """
     model = DecoderLM(config, _params_dtype(params), options)
     t = tokens.shape[0] if rows is not None else tokens.shape[1]
@@ -351,11 +410,15 @@ def _run(
     if rows is not None:  # each token a row of its own for the matmuls, at its own position
         places = jnp.minimum(rows, positions.size - 1)
         tokens, positions = tokens[:, None], positions.reshape(-1)[places][:, None]
-    apply = (tokens, positions, mask, kv, slots, fresh, lora, rows)
+    if decoding is not None:
+        positions = positions.at[decoding.places].set(decoding.positions, mode="drop")
+    apply = (tokens, positions, mask, kv, slots, fresh, lora, rows, decoding)
     hidden, kv = model.apply({"params": params}, *apply)
     written = jnp.arange(kv.num_slots) if slots is None else slots
-    kv = kv.with_lengths(kv.lengths.at[written].set(key_lengths))
-    return model, hidden, kv
+    lengths = kv.lengths.at[written].set(key_lengths)
+    if decoding is not None:
+        lengths = lengths.at[decoding.slots].set(decoding.mask.key_lengths, mode="drop")
+    return model, hidden, kv.with_lengths(lengths)
 
 
 @partial(
@@ -372,6 +435,8 @@ def prefill(
     kv: KVCache,
     fresh=True,
     lora=None,
+    decode_slots=None,
+    last_tokens=None,
     *,
     options: KernelOptions = KernelOptions(),
     with_hidden: bool = False,
@@ -386,14 +451,27 @@ def prefill(
     ``ragged``: ``tokens`` is flat, ``[N]``: row b's ``lengths[b]`` tokens after row b-1's,
     then padding. Every matmul then computes N positions, not B times the longest row's;
     attention sees the rows as ``[B, N]`` (``ragged_rows``), as does ``with_hidden``'s output.
+
+    ``decode_slots`` (a ragged batch's; int32[S], out of range: none, the real ones first)
+    makes it a mixed step: those cache rows also decode one token each, their last token
+    (``last_tokens[slot]``) placed after the ragged rows' in the stream, so the weights are
+    read once for both. The logits are then [B + S, V]: the rows' last, then the decode rows'.
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
-    rows = ragged_rows(lengths, tokens.shape[0]) if ragged else None
+    n = tokens.shape[0]
+    rows = ragged_rows(lengths, n) if ragged else None
+    decoding = None
+    if decode_slots is not None:
+        decoding = decode_rows(kv.lengths, decode_slots, jnp.sum(lengths), n)
+        inputs = jnp.take(last_tokens, decode_slots, mode="clip")
+        tokens = tokens.at[decoding.places].set(inputs, mode="drop")
     model, hidden, kv = _run(
-        params, config, tokens, starts, lengths, slots, kv, fresh, lora, options, rows
+        params, config, tokens, starts, lengths, slots, kv, fresh, lora, options, rows, decoding
     )
     if ragged:
         last = hidden[jnp.maximum(jnp.cumsum(lengths) - 1, 0)]
+        if decoding is not None:
+            last = jnp.concatenate([last, take_places(hidden, decoding.places)])
         if with_hidden:
             hidden = to_rows(hidden, rows, (lengths.shape[0], tokens.shape[0]))
     else:
@@ -646,6 +724,8 @@ class Runner:
         min_len: int = 0,
         with_hidden: bool = False,
         ragged: bool = False,
+        decode_slots: Sequence[int] | None = None,
+        last_tokens: jax.Array | None = None,
     ) -> tuple[Any, KVCache]:
         """Starts (or, ``continuing``, extends: chunked prefill) the sequences in ``slots``.
 
@@ -654,11 +734,15 @@ class Runner:
         ``with_hidden``: (logits, hidden states [B, T, D]) in place of the logits.
         ``ragged``: the prompts' tokens one after another, padded to ``min_len`` in all
         (``prefill``'s ragged batch; a prompt may then be empty: a row that computes nothing).
+        ``decode_slots`` (ragged only): cache rows that decode one token each in the same
+        forward, their inputs ``last_tokens[slot]`` (a mixed step: ``prefill``); ``adapters``
+        then gives the prompts' and then the decode rows'.
         """
         del requests  # nothing per request changes a decoder prefill
         args, kwargs = self._prefill_args(
-            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
-        )
+            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged,
+            decode_slots, last_tokens,
+        )  # fmt: skip
         return prefill(*args, **kwargs)
 
     def lower_prefill(
@@ -671,28 +755,46 @@ class Runner:
         min_len: int = 0,
         with_hidden: bool = False,
         ragged: bool = False,
+        decode_slots: Sequence[int] | None = None,
+        last_tokens: jax.Array | None = None,
     ) -> jax.stages.Lowered:
         """``prefill``'s program for these inputs, traced but neither compiled nor run (the
         engine compiles its shapes on threads, then its calls find them compiled)."""
         args, kwargs = self._prefill_args(
-            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
-        )
+            state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged,
+            decode_slots, last_tokens,
+        )  # fmt: skip
         return prefill.lower(*args, **kwargs)
 
     def _prefill_args(
-        self, state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged
-    ):
+        self, state, slots, prompts, continuing, adapters, min_len, with_hidden, ragged,
+        decode_slots, last_tokens,
+    ):  # fmt: skip
         lengths = [len(p) for p in prompts]
-        if ragged:
-            if sum(lengths) > min_len:
+        mixed = ()
+        if decode_slots is not None:
+            if not ragged or with_hidden or last_tokens is None:
                 raise ValueError(
-                    f"a ragged prefill of {sum(lengths)} tokens exceeds its {min_len}; pass "
-                    "min_len of at least the prompts' total."
+                    "decode rows ride only in a ragged prefill without hidden states, and "
+                    "need last_tokens; pass ragged=True and last_tokens, or no decode_slots."
+                )
+            mixed = (jnp.asarray(decode_slots, jnp.int32), last_tokens)
+        if ragged:
+            decoding = int(
+                np.sum(np.asarray(() if not mixed else decode_slots) < len(state.lengths))
+            )
+            if sum(lengths) + decoding > min_len:
+                raise ValueError(
+                    f"a ragged prefill of {sum(lengths)} tokens and {decoding} decode rows "
+                    f"exceeds its {min_len}; pass min_len of at least their total."
                 )
             tokens = np.zeros((min_len,), np.int32)
             tokens[: sum(lengths)] = [t for p in prompts for t in p]
             if adapters is not None:  # an adapter per token: each is a row of the matmuls
-                adapters = [a for a, n in zip(adapters, lengths, strict=True) for _ in range(n)]
+                adapters = list(adapters)
+                decoded = adapters[len(prompts) : len(prompts) + decoding]
+                adapters = [a for a, n in zip(adapters, lengths, strict=False) for _ in range(n)]
+                adapters += decoded
                 adapters += [-1] * (min_len - len(adapters))
         else:
             if min(lengths) < 1:
@@ -710,6 +812,7 @@ class Runner:
             state,
         )
         kwargs = {"fresh": not continuing, "lora": lora, "options": self.options}
+        kwargs |= dict(zip(("decode_slots", "last_tokens"), mixed, strict=False))
         kwargs |= {"ragged": True} if ragged else {}
         return args, kwargs | ({"with_hidden": True} if with_hidden else {})
 

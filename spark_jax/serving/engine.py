@@ -115,6 +115,7 @@ MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
 DECODER_ONLY_OPTIONS = ("max_batch_tokens", "kv_pages", "page_size", "min_chunk")
 DECODER_ONLY_OPTIONS += ("min_decode_pages", "decode_widths", "gpu_memory_utilization")
 DECODER_ONLY_OPTIONS += ("max_num_batched_tokens", "num_scheduler_steps", "ragged_prefill")
+DECODER_ONLY_OPTIONS += ("mixed_batches",)
 
 log = logging.getLogger("spark_jax.serving")
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
@@ -216,6 +217,13 @@ class Engine:
         Attention still sees the row ladder's top of rows, each as long as the batch: on an
         H100 that layout cost ~1.4-1.9 us a position beyond a [B, T] batch's. Default False
         until the engine is measured with it (``benchmarks/NOTES.md``).
+    mixed_batches: a step that prefills also decodes its decoding rows in the same forward
+        (vLLM's chunked prefill): their tokens ride in the ragged batch (prefill batches are
+        then ragged), so the weights are read once for both, not once for the decode step
+        and again for the prefill. The decode rows count in ``max_batch_tokens`` (which must
+        then hold ``max_num_seqs`` rows and a ``min_chunk``); every prefill program takes
+        ``max_num_seqs`` decode rows. Not with a draft head (``"method": "head"``). Outputs
+        are unchanged. Default False until measured.
 
     Encoder-decoder models:
     max_source_len: the longest source (default: the model's, positions - 2); the prefill
@@ -249,6 +257,7 @@ class Engine:
         speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
         num_scheduler_steps: int | None = None,
         ragged_prefill: bool | None = None,
+        mixed_batches: bool | None = None,
     ):
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
@@ -257,6 +266,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_source_len=max_source_len, max_num_beams=max_num_beams,
             num_scheduler_steps=num_scheduler_steps, ragged_prefill=ragged_prefill,
+            mixed_batches=mixed_batches,
         )  # fmt: skip
         encoder_decoder = bool(model.config.is_encoder_decoder)
         wrong = DECODER_ONLY_OPTIONS if encoder_decoder else ENCODER_DECODER_OPTIONS
@@ -303,6 +313,7 @@ class Engine:
                 max_num_batched_tokens,
                 num_scheduler_steps or 1,
                 bool(ragged_prefill),
+                bool(mixed_batches),
             )
         self._drafter = None
         if self.speculative is not None:
@@ -333,6 +344,7 @@ class Engine:
         max_num_batched_tokens: int | None,
         num_scheduler_steps: int,
         ragged_prefill: bool,
+        mixed: bool,
     ) -> None:
         if num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}.")
@@ -345,6 +357,18 @@ class Engine:
         self._check_limits = self._check_prompt_limits
         self.page_size = page_size
         least = self.num_slots + min_chunk
+        if mixed and max_batch_tokens < least:
+            raise ValueError(
+                f"max_batch_tokens={max_batch_tokens} leaves no room for a prefill chunk of "
+                f"{min_chunk} beside {self.num_slots} decode rows riding in the batch "
+                f"(mixed_batches); raise it to at least {least}."
+            )
+        if mixed and self.speculative is not None and self.speculative.method == "head":
+            raise ValueError(
+                "mixed_batches does not combine with a draft head (it reads every step's "
+                "hidden states); leave one of them out."
+            )
+        ragged_prefill = ragged_prefill or mixed
         if max_num_batched_tokens is not None and max_num_batched_tokens < least:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} leaves no room for a prefill "
@@ -376,6 +400,7 @@ class Engine:
                 max_batch_tokens,
                 (ragged_ladder if ragged_prefill else pow2_ladder)(min_chunk, max_batch_tokens),
                 ragged_prefill,
+                mixed,
             ),
             max_num_batched_tokens,
         )
@@ -393,6 +418,7 @@ class Engine:
             num_scheduler_steps,
             keep_hidden=self.speculative is not None and self.speculative.method == "head",
             ragged_prefill=ragged_prefill,
+            mixed=mixed,
         )
         log.info(
             "KV cache: %d pages of %d tokens (%.2f GiB, %d tokens); prefix caching %s",

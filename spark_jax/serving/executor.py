@@ -772,7 +772,12 @@ class SlotPicker:
 
 def _prefill_samples(rows: list[PrefillRow], padded: int) -> list[SequenceState | None]:
     """Each prefill row's sequence if the row ends its prefill (it samples), else None."""
-    return [r.seq if r.last else None for r in rows] + [None] * (padded - len(rows))
+    return _padded([r.seq if r.last else None for r in rows], padded)
+
+
+def _padded(seqs: list[SequenceState | None], rows: int) -> list[SequenceState | None]:
+    """``seqs`` and None up to ``rows``."""
+    return [*seqs, *[None] * (rows - len(seqs))]
 
 
 class PagedExecutor:
@@ -798,10 +803,19 @@ class PagedExecutor:
         num_scheduler_steps: int = 1,
         keep_hidden: bool = False,
         ragged_prefill: bool = False,
+        mixed: bool = False,
     ):
+        if mixed and (keep_hidden or not ragged_prefill):
+            raise ValueError(
+                "decode rows ride only in ragged prefill batches that keep no hidden states."
+            )
         c = model.config
         self.runner = model.runner
         self.ragged_prefill = ragged_prefill  # prefill batches are ragged (``ChunkBudget``)
+        # Decode rows ride in the prefill batch (``ChunkBudget.mixed``): every prefill
+        # program also takes the top decode width's rows, none of them real when none ride.
+        self.mixed = mixed
+        self.num_mixed_steps = 0  # prefills that carried decode rows
         self.num_speculative_tokens = num_speculative_tokens  # K: 0 runs no verify step
         self.num_scheduler_steps = num_scheduler_steps  # a multi-step decode's steps
         self.num_multi_step_calls = 0  # multi-step decodes run
@@ -899,14 +913,26 @@ class PagedExecutor:
         runs."""
         self.table.sync([s for s in slots if s is not None])
         self.sampler.sync(slots)
+        riding = plan.decode if self._rides(plan) else []
         picks = []
-        if plan.decode:
+        if plan.decode and not riding:
             picks.append(self._decode(plan, before_pick))
+            before_pick = None
+        if plan.prefill:
+            picks += self._prefill(plan, riding, before_pick)
         elif before_pick is not None:
             before_pick()
-        if plan.prefill:
-            picks += self._prefill(plan)
         return picks
+
+    def _rides(self, plan: StepPlan) -> bool:
+        """Whether the plan's decode rows ride in its prefill batch (a mixed step): one
+        step each, none verifying drafts."""
+        return (
+            self.mixed
+            and bool(plan.prefill)
+            and plan.num_steps == 1
+            and not any(s.drafts for s in plan.decode)
+        )
 
     def chunkable(self, rows: Sequence[SequenceState]) -> bool:
         """Whether ``rows`` can decode several steps in one device call (``_decode_chunk``):
@@ -1059,8 +1085,15 @@ class PagedExecutor:
         device_rows = (drafts, num_drafts, row_slots, active, generated)
         return self.sampler.judge(logits, seqs, device_rows)
 
-    def _prefill(self, plan: StepPlan) -> list[Picks]:
-        """Runs the chunks; the rows that end their prefill are picked from their logits."""
+    def _prefill(
+        self,
+        plan: StepPlan,
+        riding: list[SequenceState],
+        before_pick: Callable[[], None] | None,
+    ) -> list[Picks]:
+        """Runs the chunks, and the ``riding`` decode rows a step each in the same forward;
+        ``before_pick`` once it is dispatched; then one pick: the rows that end their prefill
+        and the riding rows, from their logits."""
         rows, padded = plan.prefill, plan.prefill_rows
         pad = padded - len(rows)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
@@ -1068,7 +1101,15 @@ class PagedExecutor:
         # A ragged batch's padding rows hold no token; a [B, T] batch's one each.
         chunks = [r.seq.tokens[r.start : r.start + r.length] for r in rows]
         chunks += [[] if self.ragged_prefill else [0]] * pad
+        seqs = _prefill_samples(rows, padded)
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
+        mixed = {}
+        if self.mixed:  # the top decode width's rows, the riding ones first
+            self.num_mixed_steps += bool(riding)
+            seqs += _padded(riding, self.decode_widths[-1])
+            decode_slots = [nowhere if s is None else s.slot for s in seqs[padded:]]
+            adapters += [-1 if s is None else s.adapter for s in seqs[padded:]]
+            mixed = {"decode_slots": decode_slots, "last_tokens": self.sampler.last_tokens}
         out, self.state = self.runner.prefill(
             self._device_state(self.max_pages_per_seq),
             row_slots,
@@ -1078,13 +1119,18 @@ class PagedExecutor:
             **self._lora(adapters),
             **self._hidden(),
             **self._ragged(),
+            **mixed,
         )
-        chunk_logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
+        logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
         for r in rows:
             self.table.lengths[r.seq.slot] = r.start + r.length
-        if not any(r.last for r in rows):
+        for seq in riding:
+            self.table.lengths[seq.slot] += 1
+        if before_pick is not None:
+            before_pick()
+        if all(s is None for s in seqs):
             return []
-        return [self.sampler.pick(chunk_logits, _prefill_samples(rows, padded))]
+        return [self.sampler.pick(logits, seqs)]
 
     # -- warm-up ----------------------------------------------------------------------------
 
@@ -1149,8 +1195,14 @@ class PagedExecutor:
             return (state, held.tokens, held.active), kwargs | {"returning_inputs": True}
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         state = self._device_state(self.max_pages_per_seq)
-        lora = self._lora(_warm_adapters(rows, step.adapted))
-        kwargs = {"continuing": True, "min_len": chunk} | lora | self._hidden() | self._ragged()
+        adapters = _warm_adapters(rows, step.adapted)
+        kwargs = {"continuing": True, "min_len": chunk} | self._hidden() | self._ragged()
+        if self.mixed:  # no decode row rides
+            width = self.decode_widths[-1]
+            adapters += [-1] * width
+            kwargs |= {"decode_slots": [self.num_slots] * width}
+            kwargs |= {"last_tokens": self.sampler.last_tokens}
+        kwargs |= self._lora(adapters)
         # A ragged batch of ``chunk`` tokens in all: the first row's.
         prompts = [[0] * chunk] + [[] if self.ragged_prefill else [0] * chunk] * (rows - 1)
         return (state, [self.num_slots] * rows, prompts), kwargs

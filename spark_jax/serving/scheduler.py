@@ -17,7 +17,8 @@ A ``Scheduler`` holds the waiting queue and the slots of the running sequences; 
 With ``chunks`` (a ``ChunkBudget``) prompts are read in chunks that pack into one ``[B, T]``
 batch (B on the row ladder, T on the chunk ladder) with ``B * T <= max_batch_tokens``, or,
 ragged, one after another, at most ``max_batch_tokens`` real tokens in all (and,
-with ``max_num_batched_tokens``, at most that many tokens in a step, decode rows included);
+with ``max_num_batched_tokens``, at most that many tokens in a step, decode rows included;
+mixed, the decode rows ride in the ragged batch and count in its tokens);
 without, each admitted prompt is read whole in the step that admits it, up to the row
 ladder's top of them (an encoder-decoder's source: its encoder attends both ways). Without
 a page pool nothing is ever preempted: an admitted sequence always finishes in its slot.
@@ -187,11 +188,16 @@ class ChunkBudget:
     ``ragged``: the batch is ragged (``decoder.prefill(ragged=True)``): its rows' chunks lie
     one after another, so ``max_batch_tokens`` bounds their real tokens, any chunk length
     fits, the batch always has the row ladder's top of rows, and only the total is padded,
-    to the ladder's rung."""
+    to the ladder's rung.
+
+    ``mixed`` (ragged only): a step's decode rows ride in its prefill batch, a token each
+    after the rows' (``decoder.prefill``'s ``decode_slots``), so they count in its tokens:
+    the prefill rows get what they leave of ``max_batch_tokens``."""
 
     max_batch_tokens: int
     chunk_ladder: list[int]
     ragged: bool = False
+    mixed: bool = False
 
 
 class Scheduler:
@@ -296,6 +302,8 @@ class Scheduler:
         self._cut_drafts_to_budget()
         self._plan_decode(plan)
         budget = self.chunks.max_batch_tokens if self.chunks is not None else 0
+        riding = len(plan.decode) if self.chunks is not None and self.chunks.mixed else 0
+        budget -= riding
         if self.max_num_batched_tokens is not None:
             decoded = sum(1 + len(s.drafts) for s in plan.decode)
             budget = min(budget, self.max_num_batched_tokens - decoded)
@@ -304,7 +312,7 @@ class Scheduler:
             plan.prefill_rows = rung(self.row_ladder, len(plan.prefill))
             if self.chunks is not None and self.chunks.ragged:
                 plan.prefill_rows = self.row_ladder[-1]
-                total = sum(row.length for row in plan.prefill)
+                total = riding + sum(row.length for row in plan.prefill)
                 plan.prefill_len = rung(self.chunks.chunk_ladder, total)
             elif self.chunks is not None:
                 longest = max(row.length for row in plan.prefill)

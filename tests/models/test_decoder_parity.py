@@ -64,3 +64,34 @@ def test_ragged_prefill_gives_each_rows_logits_in_one_and_two_chunks(hf_and_mode
     rel = np.abs(got - refs[:2]).max() / np.abs(refs[:2]).max()
     assert rel <= 1e-4, f"{name}: two chunks, relative error {rel:.2e}"
     np.testing.assert_array_equal(np.asarray(state.lengths)[[4, 0, 2, 5]], [5, 13, 1, 9])
+
+
+def test_mixed_step_decodes_rows_beside_a_ragged_prefill(hf_and_model):
+    """A mixed step (decode rows riding in a ragged prefill's stream) against HF: the prefill
+    rows' last logits, then each decode row's logits for its last token after its prompt,
+    with an empty decode row (a slot out of range) and the cache lengths after."""
+    name, hf, model = hf_and_model
+    runner = model.runner
+    decoded = [random_prompt(20 + i, n) for i, n in enumerate((7, 4))]
+    prefilled = [random_prompt(30 + i, n) for i, n in enumerate((6, 11))]
+    state = runner.init_state(6, 32)
+    _, state = runner.prefill(state, [2, 5], [p[:-1] for p in decoded], min_len=16, ragged=True)
+    last_tokens = np.zeros((6,), np.int32)
+    last_tokens[[2, 5]] = [p[-1] for p in decoded]
+    logits, state = runner.prefill(
+        state,
+        [4, 0, 6],
+        [*prefilled, []],
+        continuing=True,
+        min_len=24,
+        ragged=True,
+        decode_slots=[2, 5, 6],
+        last_tokens=np.asarray(last_tokens),
+    )
+    refs = np.stack([_hf_logits(hf, p)[-1] for p in (*prefilled, *decoded)])
+    got = np.asarray(logits)
+    assert got.shape == (6, 128)
+    got = got[[0, 1, 3, 4]]  # the prefill rows' (the third is padding), the decode rows'
+    rel = np.abs(got - refs).max() / np.abs(refs).max()
+    assert rel <= 1e-4, f"{name}: relative error {rel:.2e}"
+    np.testing.assert_array_equal(np.asarray(state.lengths)[[4, 0, 2, 5]], [6, 11, 7, 4])

@@ -141,15 +141,17 @@ def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invar
     assert set(engine.executor.decode_steps_by_width) == {1, 2, 4, 8, 16}
 
 
+@pytest.mark.parametrize("option", ["ragged_prefill", "mixed_batches"])
 def test_ragged_prefill_gives_the_same_tokens_and_never_compiles_after_warmup(
-    tiny_llama, invariance_run
+    tiny_llama, invariance_run, option
 ):
-    """The invariance run's 64 requests through an engine whose prefill batches are ragged:
-    the tokens of the [B, T] engine (each request's alone), no compile after warm-up, every
-    batch of the top row count and a total on the ragged ladder, nothing leaked."""
+    """The invariance run's 64 requests through an engine whose prefill batches are ragged
+    (``mixed_batches``: with the step's decode rows riding in them): the tokens of the
+    [B, T] engine (each request's alone), no compile after warm-up, every batch of the top
+    row count and a total on the ragged ladder, nothing leaked."""
     _, model = tiny_llama
     prompts, params, results, _ = invariance_run
-    ragged = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, ragged_prefill=True)
+    ragged = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, **{option: True})
     assert ragged.prefill_shapes() == [(8, t) for t in (16, 32, 48, 64, 80, 96, 112, 128)]
     ragged.warmup()
     shapes = []
@@ -157,7 +159,8 @@ def test_ragged_prefill_gives_the_same_tokens_and_never_compiles_after_warmup(
 
     def spy(plan, slots, before_pick=None):
         if plan.prefill:
-            real = sum(row.length for row in plan.prefill)
+            riding = len(plan.decode) if option == "mixed_batches" else 0
+            real = riding + sum(row.length for row in plan.prefill)
             shapes.append((plan.prefill_rows, plan.prefill_len, real))
         return run(plan, slots, before_pick)
 
@@ -168,6 +171,7 @@ def test_ragged_prefill_gives_the_same_tokens_and_never_compiles_after_warmup(
     assert counter.count == 0
     assert shapes and all(rows == 8 and real <= n <= 128 for rows, n, real in shapes)
     assert any(n - real < 16 < real for _, n, real in shapes)  # totals, not rows, padded
+    assert (ragged.executor.num_mixed_steps > 0) == (option == "mixed_batches")
     assert ragged.pages_in_use == 0 and ragged.slots_in_use == 0
 
 
@@ -310,20 +314,21 @@ def test_200_requests_sharing_system_prompts_give_the_tokens_they_give_uncached(
     _, model = tiny_llama
     prompts, params = system_prompt_requests(200, seed=5)
     runs, metrics = {}, {}
-    for caching, ragged in ((True, False), (False, False), ("ragged", True)):
+    # "mixed": ragged prefill batches with the decode rows riding in them, cache on.
+    for caching, mixed in ((True, False), (False, False), ("mixed", True)):
         eng = Engine(
             model,
             max_num_seqs=8,
             max_batch_tokens=64,
             enable_prefix_caching=bool(caching),
-            ragged_prefill=ragged,
+            mixed_batches=mixed,
         )
         runs[caching] = eng.generate_many(prompts, params)
         assert eng.pages_in_use == 0 and eng.slots_in_use == 0
         eng.scheduler.pages.check()
         metrics[caching] = eng.metrics()
     assert [r.output_tokens for r in runs[True]] == [r.output_tokens for r in runs[False]]
-    assert [r.output_tokens for r in runs["ragged"]] == [r.output_tokens for r in runs[False]]
+    assert [r.output_tokens for r in runs["mixed"]] == [r.output_tokens for r in runs[False]]
     on, off = metrics[True], metrics[False]
     assert on.prefix_cache_hit_rate > 0.5 and off.prefix_cache_hit_rate is None
     per_request = sum(r.timings["cached_tokens"] for r in runs[True])
@@ -453,8 +458,8 @@ def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_pa
         sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, adapter=name)
         for name in ["a", None, "b", "a"]
     ]
-    # A ragged prefill batch gives each token its row's adapter.
-    ragged = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16, ragged_prefill=True)
+    # A ragged prefill batch gives each token its row's adapter, a riding decode row's too.
+    ragged = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16, mixed_batches=True)
     ragged_results = ragged.generate_many(prompts, params)
     engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16)
     results = engine.generate_many(prompts, params)
