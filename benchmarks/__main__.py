@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="serving: the engine's prefill batches [B, T] (padded), ragged "
         "(sj.Engine(ragged_prefill=True)) or ragged with the decode rows riding in them "
-        "(mixed_batches=True); default: the plan's (ragged)",
+        "(mixed_batches=True); default: the plan's (mixed)",
     )
     parser.add_argument(
         "--profile-concurrency",

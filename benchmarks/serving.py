@@ -115,7 +115,7 @@ class Plan:
     num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
     shared_num_scheduler_steps: int = 1  # the same, for the shared-prefix TTFT comparison
     ragged_prefill: bool = True  # prefill batches ragged (``--prefill-batches``)
-    mixed_batches: bool = False  # the decode rows ride in them (``--prefill-batches mixed``)
+    mixed_batches: bool = True  # the decode rows ride in them (``--prefill-batches mixed``)
     # The page pool: this share of the device's memory (vLLM's default is 0.9). One row of
     # max_model_len per slot (the engine's default without it) is 69 GB at 256 slots: more
     # than an 80 GB H100 holds beside the weights.

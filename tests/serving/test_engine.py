@@ -136,43 +136,48 @@ def test_64_mixed_requests_give_the_tokens_each_gives_alone(tiny_llama, invarian
 
 
 def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invariance_run):
+    """...with its prefills' steps mixed: the decode rows riding in the prefill batches."""
     *_, compiles = invariance_run
     assert compiles == 0
+    assert engine.executor.num_mixed_steps > 0
     assert set(engine.executor.decode_steps_by_width) == {1, 2, 4, 8, 16}
 
 
-@pytest.mark.parametrize("option", ["ragged_prefill", "mixed_batches"])
-def test_ragged_prefill_gives_the_same_tokens_and_never_compiles_after_warmup(
-    tiny_llama, invariance_run, option
+@pytest.mark.parametrize("batches", ["padded", "ragged"])
+def test_padded_and_ragged_prefill_give_the_same_tokens_and_never_compile_after_warmup(
+    tiny_llama, invariance_run, batches
 ):
-    """The invariance run's 64 requests through an engine whose prefill batches are ragged
-    (``mixed_batches``: with the step's decode rows riding in them): the tokens of the
-    [B, T] engine (each request's alone), no compile after warm-up, every batch of the top
-    row count and a total on the ragged ladder, nothing leaked."""
+    """The invariance run's 64 requests (the default engine's: ragged prefill batches with
+    the decode rows riding in them) through an engine whose prefill batches are [B, T] or
+    ragged with no decode row in them: the same tokens (each request's alone), no compile
+    after warm-up, nothing leaked; ragged, every batch of the top row count and a total on
+    the ragged ladder."""
     _, model = tiny_llama
     prompts, params, results, _ = invariance_run
-    ragged = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, **{option: True})
-    assert ragged.prefill_shapes() == [(8, t) for t in (16, 32, 48, 64, 80, 96, 112, 128)]
-    ragged.warmup()
+    option = {"ragged_prefill": False} if batches == "padded" else {"mixed_batches": False}
+    other = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, **option)
+    if batches == "ragged":
+        assert other.prefill_shapes() == [(8, t) for t in (16, 32, 48, 64, 80, 96, 112, 128)]
+    other.warmup()
     shapes = []
-    run = ragged.executor.run
+    run = other.executor.run
 
     def spy(plan, slots, before_pick=None):
         if plan.prefill:
-            riding = len(plan.decode) if option == "mixed_batches" else 0
-            real = riding + sum(row.length for row in plan.prefill)
+            real = sum(row.length for row in plan.prefill)
             shapes.append((plan.prefill_rows, plan.prefill_len, real))
         return run(plan, slots, before_pick)
 
-    ragged.executor.run = spy
+    other.executor.run = spy
     with CompileCounter() as counter:
-        got = ragged.generate_many(prompts, params)
+        got = other.generate_many(prompts, params)
     assert [r.output_tokens for r in got] == [r.output_tokens for r in results]
     assert counter.count == 0
-    assert shapes and all(rows == 8 and real <= n <= 128 for rows, n, real in shapes)
-    assert any(n - real < 16 < real for _, n, real in shapes)  # totals, not rows, padded
-    assert (ragged.executor.num_mixed_steps > 0) == (option == "mixed_batches")
-    assert ragged.pages_in_use == 0 and ragged.slots_in_use == 0
+    assert other.executor.num_mixed_steps == 0
+    if batches == "ragged":
+        assert shapes and all(rows == 8 and real <= n <= 128 for rows, n, real in shapes)
+        assert any(n - real < 16 < real for _, n, real in shapes)  # totals, not rows, padded
+    assert other.pages_in_use == 0 and other.slots_in_use == 0
 
 
 def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(engine, monkeypatch):
@@ -314,21 +319,21 @@ def test_200_requests_sharing_system_prompts_give_the_tokens_they_give_uncached(
     _, model = tiny_llama
     prompts, params = system_prompt_requests(200, seed=5)
     runs, metrics = {}, {}
-    # "mixed": ragged prefill batches with the decode rows riding in them, cache on.
-    for caching, mixed in ((True, False), (False, False), ("mixed", True)):
+    # The default engine (mixed batches) with the cache on and off, and a [B, T] one with it.
+    for caching, ragged in ((True, True), (False, True), ("padded", False)):
         eng = Engine(
             model,
             max_num_seqs=8,
             max_batch_tokens=64,
             enable_prefix_caching=bool(caching),
-            mixed_batches=mixed,
+            ragged_prefill=ragged,
         )
         runs[caching] = eng.generate_many(prompts, params)
         assert eng.pages_in_use == 0 and eng.slots_in_use == 0
         eng.scheduler.pages.check()
         metrics[caching] = eng.metrics()
     assert [r.output_tokens for r in runs[True]] == [r.output_tokens for r in runs[False]]
-    assert [r.output_tokens for r in runs["mixed"]] == [r.output_tokens for r in runs[False]]
+    assert [r.output_tokens for r in runs["padded"]] == [r.output_tokens for r in runs[False]]
     on, off = metrics[True], metrics[False]
     assert on.prefix_cache_hit_rate > 0.5 and off.prefix_cache_hit_rate is None
     per_request = sum(r.timings["cached_tokens"] for r in runs[True])
@@ -458,13 +463,14 @@ def test_per_request_adapters_through_the_engine_equal_their_solo_results(tmp_pa
         sj.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, adapter=name)
         for name in ["a", None, "b", "a"]
     ]
-    # A ragged prefill batch gives each token its row's adapter, a riding decode row's too.
-    ragged = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16, mixed_batches=True)
-    ragged_results = ragged.generate_many(prompts, params)
+    # A mixed batch (the default) gives each token its row's adapter, a riding decode row's
+    # too; a [B, T] one its rows'.
+    padded = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16, ragged_prefill=False)
+    padded_results = padded.generate_many(prompts, params)
     engine = Engine(model, max_num_seqs=4, max_batch_tokens=64, page_size=16)
     results = engine.generate_many(prompts, params)
     assert [r.output_tokens for r in results] == solo(model, prompts, params)
-    assert [r.output_tokens for r in ragged_results] == [r.output_tokens for r in results]
+    assert [r.output_tokens for r in padded_results] == [r.output_tokens for r in results]
     base = [dataclasses.replace(p, adapter=None) for p in params]
     assert solo(model, prompts, base) != [r.output_tokens for r in results]  # adapters act
     assert engine.slots_in_use == 0 and engine.pages_in_use == 0
@@ -506,3 +512,12 @@ def test_a_step_budget_or_decode_widths_that_cannot_work_are_refused(tiny_llama)
         Engine(model, max_num_seqs=8, max_num_batched_tokens=20)
     with pytest.raises(ValueError, match="decode_widths must be positive and end at"):
         Engine(model, max_num_seqs=8, decode_widths=[1, 4])
+    # Mixed batches where they do not apply: asked for, refused; by default, left off.
+    with pytest.raises(ValueError, match="max_batch_tokens=32 leaves no room"):
+        Engine(model, max_num_seqs=32, max_batch_tokens=32, mixed_batches=True)
+    assert not Engine(model, max_num_seqs=32, max_batch_tokens=32).executor.mixed
+    with pytest.raises(ValueError, match="leave ragged_prefill on"):
+        Engine(model, max_num_seqs=8, ragged_prefill=False, mixed_batches=True)
+    head = {"method": "head", "num_speculative_tokens": 2, "draft_head": "unused.npz"}
+    with pytest.raises(ValueError, match="does not combine with a draft head"):
+        Engine(model, max_num_seqs=8, mixed_batches=True, speculative_config=head)

@@ -225,6 +225,27 @@ def test_a_ragged_budget_bounds_real_tokens_and_pads_only_their_total():
     assert (plan.prefill_rows, plan.prefill_len) == (4, 40)
 
 
+def test_a_mixed_budget_counts_the_decode_rows_riding_in_the_batch():
+    """Mixed batches: a step's decode rows ride in its ragged batch, so they take a token each
+    of the budget and of the padded total."""
+    budget = ChunkBudget(64, ragged_ladder(16, 64), ragged=True, mixed=True)
+    s = Scheduler(4, pow2_ladder(1, 4), PageAllocator(64), 4, budget)
+    a, b, c = seq(0, 20), seq(1, 30), seq(2, 70)
+    for x in (a, b):
+        s.add(x)
+    plan = s.plan()  # no decode row yet: the whole budget
+    rows = lambda plan: [(r.seq, r.start, r.length) for r in plan.prefill]  # noqa: E731
+    assert rows(plan) == [(a, 0, 20), (b, 0, 30)] and plan.prefill_len == 56
+    run_step(s)
+    s.add(c)
+    plan = s.plan()  # a and b decode: c gets 64 - 2 tokens, the total 64
+    assert plan.decode == [a, b] and rows(plan) == [(c, 0, 62)]
+    assert (plan.prefill_rows, plan.prefill_len) == (4, 64)
+    run_step(s)
+    plan = s.plan()  # c's last 8 tokens beside a's and b's decode rows: 10, padded to 16
+    assert plan.decode == [a, b] and rows(plan) == [(c, 62, 8)] and plan.prefill_len == 16
+
+
 def test_the_row_ladder_caps_the_rows_of_one_prefill():
     s = paged(slots=8, pages=64, page_size=4, max_batch_tokens=64, chunk_low=16, rows=2)
     for i in range(5):
