@@ -238,8 +238,15 @@ class Runner:
         return sdpa_kernel([SDPBackend.MATH])
 
 
-def generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """``new_tokens`` greedy tokens of each prompt, all in one static batch."""
+def generate(
+    runner: Runner,
+    prompts: list[list[int]],
+    new_tokens: int,
+    phases: dict[str, float] | None = None,
+) -> list[list[int]]:
+    """``new_tokens`` greedy tokens of each prompt, all in one static batch. ``phases``: the
+    prefill's and the decode steps' seconds are added to its "prefill_s" and "decode_s" (the
+    device synced between them: once a batch)."""
     model = runner.model
     rows = model.batch
     if not 0 < len(prompts) <= rows:
@@ -257,15 +264,36 @@ def generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -> list[
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
     device = model.embed.device
     ids, pads = ids.to(device), pads.to(device)
+    clock = _Clock(device, phases)
     with torch.no_grad():
         token = runner.prefill(model, ids, torch.arange(width, device=device), pads).clone()
+        clock.lap("prefill_s")
         tokens, pos = [token], torch.tensor([width], device=device)
         with runner.decode_context():
             for _ in range(new_tokens - 1):
                 token = runner.decode(model, token, pos, pads).clone()  # outlives the graph
                 tokens.append(token)
                 pos += 1
-    return torch.cat(tokens, dim=1)[: len(prompts)].tolist()
+        out = torch.cat(tokens, dim=1)[: len(prompts)].tolist()
+        clock.lap("decode_s")
+    return out
+
+
+class _Clock:
+    """Adds the seconds since the last lap to ``phases[name]`` (nothing without phases),
+    the device synced first."""
+
+    def __init__(self, device: torch.device, phases: dict[str, float] | None) -> None:
+        self.device, self.phases, self.last = device, phases, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.phases is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def _random_model(config: ModelConfig, dtype: str, device: str) -> Transformer:
@@ -318,13 +346,15 @@ def static_batches(
     chunks = [requests[i : i + batch] for i in range(0, len(requests), batch)]
     for chunk in chunks:
         generate(runner, [p for p, _ in chunk], WARMUP_TOKENS + 2)
-    useful = computed = 0
+    useful = computed = steps = 0
+    phases: dict[str, float] = {}
     start = time.perf_counter()
     for chunk in chunks:
         longest = max(n for _, n in chunk)
-        outputs = generate(runner, [p for p, _ in chunk], longest)  # on the host: synced
+        outputs = generate(runner, [p for p, _ in chunk], longest, phases)  # synced
         useful += sum(min(n, len(out)) for out, (_, n) in zip(outputs, chunk, strict=True))
         computed += batch * longest
+        steps += longest - 1
     wall = time.perf_counter() - start
     return {
         "device": str(device),
@@ -334,6 +364,9 @@ def static_batches(
         "computed_output_tokens": computed,
         "wall_s": wall,
         "output_tok_s": useful / wall,
+        # Where the time went: the prefills, and the decode steps (each of every row).
+        "prefill_s": phases.get("prefill_s", 0.0),
+        "decode_ms_per_step": phases.get("decode_s", 0.0) / max(steps, 1) * 1e3,
     }
 
 

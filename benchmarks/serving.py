@@ -420,6 +420,28 @@ def device_idle(trace_dir: str) -> dict[str, Any]:
     return idle_of_trace(paths[0])
 
 
+def merged_gaps(
+    spans: list[tuple[int, int, str]],
+) -> tuple[float, list[tuple[int, int]], float]:
+    """Kernels (start, end, program) of every stream merged: (the time some kernel runs, the
+    gaps between, the time of the gaps between two programs' kernels). A gap between the
+    program whose kernel ended last before it and another's after it is the device waiting
+    for the host between steps; one inside a program is between its kernels (launch gaps,
+    which tracing every kernel lengthens)."""
+    spans = sorted(spans)
+    gaps, busy, between = [], 0.0, 0.0
+    lo, hi, last = spans[0]
+    for a, b, program in spans[1:]:
+        if a > hi:
+            busy += hi - lo
+            gaps.append((hi, a))
+            between += (a - hi) * (program != last)
+            lo = a
+        if b >= hi:
+            hi, last = b, program
+    return busy + hi - lo, gaps, between
+
+
 def idle_of_trace(path: str) -> dict[str, Any]:
     """``device_idle``'s figures from one ``.xplane.pb`` file."""
     data = jax.profiler.ProfileData.from_file(path)
@@ -430,10 +452,10 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         for line in plane.lines:
             if plane.name.startswith("/device:") and line.name.startswith("Stream"):
                 for e in line.events:
-                    spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                    program = str(dict(e.stats).get("hlo_module", "(no program)"))
+                    spans.append((e.start_ns, e.start_ns + e.duration_ns, program))
                     by_name[e.name[:80]] += e.duration_ns
-                    program = dict(e.stats).get("hlo_module", "(no program)")
-                    modules[str(program)[:80]] += e.duration_ns
+                    modules[program[:80]] += e.duration_ns
             elif plane.name == "/host:CPU":
                 events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
                 host_lines[line.name] += len(events)
@@ -441,16 +463,8 @@ def idle_of_trace(path: str) -> dict[str, Any]:
                     host.extend(events)
     if not spans:
         return {"error": "no device events in the trace (a CPU backend)"}
-    spans.sort()
-    gaps, busy, (lo, hi) = [], 0.0, spans[0]
-    for a, b in spans[1:]:
-        if a > hi:
-            busy += hi - lo
-            gaps.append((hi, a))
-            lo = a
-        hi = max(hi, b)
-    busy += hi - lo
-    total = max(b for _, b in spans) - spans[0][0]
+    busy, gaps, between = merged_gaps(spans)
+    total = max(b for _, b, _ in spans) - min(a for a, _, _ in spans)
     top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
     during, gap_starts = collections.Counter(), [a for a, _ in gaps]
     host_total = collections.Counter()  # whatever the device did meanwhile
@@ -466,6 +480,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         "span_ms": total / 1e6,
         "busy_ms": busy / 1e6,
         "idle_fraction": 1 - busy / total,
+        "idle_between_programs_fraction": between / total,
         "gaps": len(gaps),
         "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
@@ -633,8 +648,11 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         )
         report.ratios[f"c{c}_over_hf"] = ratio(level["output_tok_s"], hf_tok_s)
         report.ratios[f"c{c}_over_gpt_fast"] = ratio(level["output_tok_s"], gpt_tok_s)
-        if "device_idle" in level and "idle_fraction" in level["device_idle"]:
-            report.figures[f"c{c}_device_idle_fraction"] = level["device_idle"]["idle_fraction"]
+        idle = level.get("device_idle", {})
+        if "idle_fraction" in idle:
+            report.figures[f"c{c}_device_idle_fraction"] = idle["idle_fraction"]
+            between = idle["idle_between_programs_fraction"]
+            report.figures[f"c{c}_device_idle_between_programs_fraction"] = between
         table.append(
             [
                 c,

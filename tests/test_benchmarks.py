@@ -96,3 +96,17 @@ def test_guided(tmp_path: Path) -> None:
     details = line["details"]
     assert details["guided_rows_constrained_to_the_end"] == details["guided_rows"]
     assert not line["notes"]
+
+
+def test_device_idle_tells_gaps_between_programs_from_gaps_inside_one() -> None:
+    """Kernels of every stream merged: a gap after program a's kernel and before a's next is
+    inside a program; one where the program changes (the kernel that ended last before it
+    against the next) is the device waiting between steps."""
+    from benchmarks.serving import merged_gaps
+
+    spans = [(0, 10, "a"), (12, 20, "a"), (25, 30, "b"), (28, 40, "b"), (50, 60, "a")]
+    busy, gaps, between = merged_gaps(spans)
+    assert (busy, gaps, between) == (43, [(10, 12), (20, 25), (40, 50)], 15)
+    # A long kernel of a on one stream hides b's short one on another: a ended last.
+    busy, gaps, between = merged_gaps([(0, 100, "a"), (10, 20, "b"), (110, 120, "a")])
+    assert (busy, gaps, between) == (110, [(100, 110)], 0)

@@ -5,7 +5,9 @@ unrolled Python modules (never ``lax.scan``: the scanned decode step measured 2.
 the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
 
     prefill(params, config, tokens[B,T], lengths[B], slots[B], kv) -> (logits[B,V], kv)
-      (ragged=True: tokens[N], the rows' tokens one after another: ``ragged_rows``)
+      (ragged=True: tokens[N], the rows' tokens one after another: ``ragged_rows``; with
+      decode_slots[S] too, those cache rows decode a token each in the same forward, after
+      the rows' tokens: logits[B+S,V])
     decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
     verify_hidden(...same...)                     -> ((logits[B,T,V], hidden[B,T,D]), kv)
@@ -480,6 +482,50 @@ def prefill(
     return ((logits, hidden) if with_hidden else logits), kv
 
 
+@partial(
+    jax.jit,
+    static_argnames=("config", "options", "with_hidden"),
+    donate_argnames=("tokens", "lengths", "slots", "decode_slots", "last_tokens", "kv"),
+)
+def prefill_returning_inputs(
+    params,
+    config: ModelConfig,
+    tokens,
+    lengths,
+    slots,
+    decode_slots,
+    last_tokens,
+    kv: KVCache,
+    lora=None,
+    *,
+    options: KernelOptions = KernelOptions(),
+    with_hidden: bool = False,
+) -> tuple[tuple[Any, ...], Any, KVCache]:
+    """A ragged ``prefill`` appending to the rows' cache (``decode_slots`` and
+    ``last_tokens``: its decode rows, or None) that takes its inputs too (donated) and hands
+    them back unchanged in the same buffers, first: ((tokens, lengths, slots, decode_slots,
+    last_tokens), logits, cache); ``decode_returning_inputs`` says why. Its own argument
+    order keeps each output paired with its input where shapes coincide (decode_slots and
+    last_tokens are as long as the cache's lengths)."""
+    out, kv = prefill(
+        params, config, tokens, lengths, slots, kv, False, lora, decode_slots, last_tokens,
+        options=options, with_hidden=with_hidden, ragged=True,
+    )  # fmt: skip
+    return (tokens, lengths, slots, decode_slots, last_tokens), out, kv
+
+
+def token_adapters(
+    adapters: Sequence[int], lengths: Sequence[int], num_decoding: int, total: int
+) -> list[int]:
+    """A ragged batch's adapter per token (each token is a row of the matmuls): ``adapters``
+    gives each row's (``lengths`` tokens each), then the decode rows' (``num_decoding`` of
+    them, a token each); padding to ``total`` takes none (-1)."""
+    adapters = list(adapters)
+    decoded = adapters[len(lengths) : len(lengths) + num_decoding]
+    out = [a for a, n in zip(adapters, lengths, strict=False) for _ in range(n)] + decoded
+    return out + [-1] * (total - len(out))
+
+
 @partial(jax.jit, static_argnames=("config", "options", "with_hidden"), donate_argnames=("kv",))
 def decode(
     params,
@@ -790,12 +836,8 @@ class Runner:
                 )
             tokens = np.zeros((min_len,), np.int32)
             tokens[: sum(lengths)] = [t for p in prompts for t in p]
-            if adapters is not None:  # an adapter per token: each is a row of the matmuls
-                adapters = list(adapters)
-                decoded = adapters[len(prompts) : len(prompts) + decoding]
-                adapters = [a for a, n in zip(adapters, lengths, strict=False) for _ in range(n)]
-                adapters += decoded
-                adapters += [-1] * (min_len - len(adapters))
+            if adapters is not None:
+                adapters = token_adapters(adapters, lengths, decoding, min_len)
         else:
             if min(lengths) < 1:
                 raise ValueError("a prompt is empty; give at least one token.")
@@ -815,6 +857,49 @@ class Runner:
         kwargs |= dict(zip(("decode_slots", "last_tokens"), mixed, strict=False))
         kwargs |= {"ragged": True} if ragged else {}
         return args, kwargs | ({"with_hidden": True} if with_hidden else {})
+
+    def prefill_held(
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        slots: jax.Array,
+        decode_slots: jax.Array | None = None,
+        last_tokens: jax.Array | None = None,
+        adapters: Sequence[int] | None = None,
+        with_hidden: bool = False,
+    ) -> tuple[tuple[Any, ...], Any, KVCache]:
+        """A ragged prefill appending to the rows' cache, its inputs on the device already
+        (``prefill_returning_inputs``: handed back first); ``adapters``: one per token
+        (``token_adapters``)."""
+        return prefill_returning_inputs(
+            *self._held_args(state, tokens, lengths, slots, decode_slots, last_tokens, adapters),
+            options=self.options,
+            with_hidden=with_hidden,
+        )
+
+    def lower_prefill_held(
+        self,
+        state: KVCache,
+        tokens: jax.Array,
+        lengths: jax.Array,
+        slots: jax.Array,
+        decode_slots: jax.Array | None = None,
+        last_tokens: jax.Array | None = None,
+        adapters: Sequence[int] | None = None,
+        with_hidden: bool = False,
+    ) -> jax.stages.Lowered:
+        """``prefill_held``'s program for these inputs, traced but neither compiled nor run."""
+        return prefill_returning_inputs.lower(
+            *self._held_args(state, tokens, lengths, slots, decode_slots, last_tokens, adapters),
+            options=self.options,
+            with_hidden=with_hidden,
+        )
+
+    def _held_args(self, state, tokens, lengths, slots, decode_slots, last_tokens, adapters):
+        """``prefill_returning_inputs``' positional arguments."""
+        inputs = (tokens, lengths, slots, decode_slots, last_tokens)
+        return (self.params, self.config, *inputs, state, self._lora(adapters))
 
     def decode(
         self,

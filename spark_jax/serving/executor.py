@@ -17,6 +17,9 @@ next step's decode reads it, so the engine reads a step's tokens while the next 
   step's attention reads each row's pages in place (cuDNN's paged attention), elsewhere it
   gathers the rows and the table's width (the longest row, in pages) moves on a ladder so
   the gather stays short.
+  A mixed step (``mixed``, the engine's ``mixed_batches``): a step that prefills runs its
+  decoding rows in the prefill's forward, a token each after the ragged batch's (the
+  decoder's ``prefill`` with ``decode_slots``), and picks every sampling row at once.
   A draft head's engine keeps every step's final hidden states per slot and position
   (``hidden_rows``), which the head reads (``spark_jax.serving.drafting``).
 - ``DenseExecutor``: an encoder-decoder model over the runner's dense per-slot cache (whole
@@ -47,6 +50,7 @@ from spark_jax.generation.guided import bitmask_width, fill_bitmask
 from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, SpecState, Speculation
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.generation.step import step as core_step
+from spark_jax.models.decoder import token_adapters
 from spark_jax.ops.attention import paged_kernel
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
@@ -161,6 +165,51 @@ class ChunkInputs(NamedTuple):
     def deleted(self) -> bool:
         """Whether a program took any of them (``DecodeInputs.deleted``)."""
         return any(x.is_deleted() for x in jax.tree.leaves(self))
+
+
+class PrefillInputs(NamedTuple):
+    """A ragged prefill program's per-step inputs, kept at fixed addresses per shape
+    (``_prefill_inputs``); a mixed step's decode rows and last tokens (None without)."""
+
+    tokens: jax.Array  # int32[N]: the rows' tokens one after another
+    lengths: jax.Array  # int32[R]: each row's
+    slots: jax.Array  # int32[R]: each row's cache row
+    decode_slots: jax.Array | None  # int32[S]: the riding decode rows' cache rows
+    last_tokens: jax.Array | None  # int32[slots]: every slot's last token (their inputs)
+    block_table: jax.Array  # int32[slots, W]
+    kv_lengths: jax.Array  # int32[slots]: keys before this step's
+
+    @staticmethod
+    def zeros(
+        tokens: int, rows: int, riding: int, slots: int, width: int, mesh: Mesh | None
+    ) -> PrefillInputs:
+        """Buffers for a shape's first step (committed, as a step's outputs are); ``riding``
+        0: no decode rows."""
+        ints = lambda *shape: np.zeros(shape, np.int32)
+        mixed = (ints(riding), ints(slots)) if riding else (None, None)
+        held = PrefillInputs(
+            ints(tokens), ints(rows), ints(rows), *mixed, ints(slots, width), ints(slots)
+        )
+        return commit(held, mesh)
+
+    def deleted(self) -> bool:
+        """Whether a program took any of them (``DecodeInputs.deleted``)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self))
+
+
+@partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
+def _prefill_inputs(
+    held: PrefillInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
+) -> PrefillInputs:
+    """A ragged prefill's host inputs (tokens, lengths, slots, decode slots or none, block
+    table, key lengths) from their one buffer, and the slots' last tokens where decode rows
+    ride, written into the buffers of ``held`` (donated), as ``_decode_inputs`` writes the
+    decode's: the prefill then sees the same addresses every step of its shape."""
+    del held
+    tokens, lengths, slots, decode_slots, table, kv_lengths = unpack(inputs, packing)
+    riding = decode_slots is not None
+    last = jnp.copy(last_tokens) if riding else None
+    return PrefillInputs(tokens, lengths, slots, decode_slots, last, table, kv_lengths)
 
 
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
@@ -839,9 +888,9 @@ class PagedExecutor:
             # table width instead of a ladder, so fewer compiles at startup.
             self.width_ladder = [max_pages_per_seq]
         self.table = BlockTable(num_slots, max_pages_per_seq, num_pages)
-        # The decode and multi-step decode programs' inputs by program and block-table shape
-        # [rows, width] (``_decode_inputs``, ``_chunk_inputs``).
-        self._held: dict[tuple[type, tuple[int, ...]], DecodeInputs | ChunkInputs] = {}
+        # The decode, multi-step decode and ragged prefill programs' inputs by program and
+        # shape (``_decode_inputs``, ``_chunk_inputs``, ``_prefill_inputs``).
+        self._held: dict[tuple[type, tuple[int, ...]], Any] = {}
         # ``keep_hidden`` (a draft head's engine): every prefill, decode and verify step
         # writes its final hidden states here, [slot, position, D], for the head to read.
         self.hidden_rows: jax.Array | None = None
@@ -873,11 +922,6 @@ class PagedExecutor:
     def _lora(self, adapters: Sequence[int]) -> dict[str, Any]:
         # Adapters go to the runner only when a pool exists, so plain models keep one compile.
         return {} if self.runner.lora_pool is None else {"adapters": list(adapters)}
-
-    def _ragged(self) -> dict[str, bool]:
-        """The prefill's ``ragged`` argument (given only when set: a runner without ragged
-        batches takes none)."""
-        return {"ragged": True} if self.ragged_prefill else {}
 
     def _hidden(self) -> dict[str, bool]:
         """The steps' ``with_hidden`` argument when they keep their hidden states."""
@@ -1103,24 +1147,25 @@ class PagedExecutor:
         chunks += [[] if self.ragged_prefill else [0]] * pad
         seqs = _prefill_samples(rows, padded)
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
-        mixed = {}
+        decode_slots = None
         if self.mixed:  # the top decode width's rows, the riding ones first
             self.num_mixed_steps += bool(riding)
             seqs += _padded(riding, self.decode_widths[-1])
             decode_slots = [nowhere if s is None else s.slot for s in seqs[padded:]]
             adapters += [-1 if s is None else s.adapter for s in seqs[padded:]]
-            mixed = {"decode_slots": decode_slots, "last_tokens": self.sampler.last_tokens}
-        out, self.state = self.runner.prefill(
-            self._device_state(self.max_pages_per_seq),
-            row_slots,
-            chunks,
-            continuing=True,
-            min_len=plan.prefill_len,
-            **self._lora(adapters),
-            **self._hidden(),
-            **self._ragged(),
-            **mixed,
-        )
+        if self.ragged_prefill:
+            args = (row_slots, chunks, decode_slots, adapters, plan.prefill_len)
+            out = self._ragged_prefill(*self._ragged_inputs(*args))
+        else:
+            out, self.state = self.runner.prefill(
+                self._device_state(self.max_pages_per_seq),
+                row_slots,
+                chunks,
+                continuing=True,
+                min_len=plan.prefill_len,
+                **self._lora(adapters),
+                **self._hidden(),
+            )
         logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
         for r in rows:
             self.table.lengths[r.seq.slot] = r.start + r.length
@@ -1131,6 +1176,57 @@ class PagedExecutor:
         if all(s is None for s in seqs):
             return []
         return [self.sampler.pick(logits, seqs)]
+
+    def _ragged_inputs(
+        self,
+        row_slots: list[int],
+        chunks: list[list[int]],
+        decode_slots: list[int] | None,
+        adapters: list[int],
+        total: int,
+    ) -> tuple[PrefillInputs, tuple[int, ...], list[int] | None]:
+        """A ragged prefill's inputs (decode rows riding: ``decode_slots``) in the buffers
+        the last one of its shape handed back, in one transfer (``_prefill_inputs``); their
+        shape; the adapter of each token (None without a LoRA pool)."""
+        lengths = [len(c) for c in chunks]
+        tokens = np.zeros((total,), np.int32)
+        tokens[: sum(lengths)] = [t for c in chunks for t in c]
+        width = self.max_pages_per_seq
+        host = (
+            tokens,
+            np.asarray(lengths, np.int32),
+            np.asarray(row_slots, np.int32),
+            None if decode_slots is None else np.asarray(decode_slots, np.int32),
+            self.table.pages[:, :width],
+            self.table.lengths,
+        )
+        riding = 0 if decode_slots is None else len(decode_slots)
+        shape = (total, len(chunks), riding, self.num_slots, width)
+        held = self._held.get((PrefillInputs, shape))
+        if held is None or held.deleted():
+            held = PrefillInputs.zeros(*shape, self.mesh)
+        last = None if decode_slots is None else self.sampler.last_tokens
+        buffer, packing = pack(host)
+        held = _prefill_inputs(held, last, jax.device_put(buffer), packing)
+        per_token = None
+        if self.runner.lora_pool is not None:
+            decoding = sum(s < self.num_slots for s in decode_slots or [])
+            per_token = token_adapters(adapters, lengths, decoding, total)
+        return held, shape, per_token
+
+    def _ragged_prefill(
+        self, held: PrefillInputs, shape: tuple[int, ...], adapters: list[int] | None
+    ) -> Any:
+        """The ragged prefill on inputs ``_ragged_inputs`` wrote; they come back in the same
+        buffers, kept for the next prefill of this shape (as the decode's: ``_decode``)."""
+        state = self.state.with_block_table(held.block_table).with_lengths(held.kv_lengths)
+        inputs, out, self.state = self.runner.prefill_held(
+            state, *held[:5], adapters=adapters, **self._hidden()
+        )
+        self._held[PrefillInputs, shape] = PrefillInputs(
+            *inputs, self.state.block_table, self.state.lengths
+        )
+        return out
 
     # -- warm-up ----------------------------------------------------------------------------
 
@@ -1146,7 +1242,8 @@ class PagedExecutor:
             steps += [
                 WarmStep("chunk", (b, w)) for b in self.decode_widths for w in self.width_ladder
             ]
-        steps += [WarmStep("prefill", shape) for shape in prefill_shapes]
+        kind = "ragged" if self.ragged_prefill else "prefill"
+        steps += [WarmStep(kind, shape) for shape in prefill_shapes]
         return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
     def warm_rest(self, max_admitted: int) -> None:
@@ -1194,18 +1291,20 @@ class PagedExecutor:
             state = self.state.with_block_table(held.block_table).with_lengths(held.lengths)
             return (state, held.tokens, held.active), kwargs | {"returning_inputs": True}
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
-        state = self._device_state(self.max_pages_per_seq)
         adapters = _warm_adapters(rows, step.adapted)
-        kwargs = {"continuing": True, "min_len": chunk} | self._hidden() | self._ragged()
-        if self.mixed:  # no decode row rides
-            width = self.decode_widths[-1]
-            adapters += [-1] * width
-            kwargs |= {"decode_slots": [self.num_slots] * width}
-            kwargs |= {"last_tokens": self.sampler.last_tokens}
-        kwargs |= self._lora(adapters)
-        # A ragged batch of ``chunk`` tokens in all: the first row's.
-        prompts = [[0] * chunk] + [[] if self.ragged_prefill else [0] * chunk] * (rows - 1)
-        return (state, [self.num_slots] * rows, prompts), kwargs
+        if step.kind == "ragged":  # ``chunk`` tokens in all, the first row's, no row riding
+            decode_slots = None
+            if self.mixed:
+                decode_slots = [self.num_slots] * self.decode_widths[-1]
+                adapters += [-1] * len(decode_slots)
+            chunks = [[0] * chunk] + [[]] * (rows - 1)
+            args = ([self.num_slots] * rows, chunks, decode_slots, adapters, chunk)
+            held, _, per_token = self._ragged_inputs(*args)
+            state = self.state.with_block_table(held.block_table).with_lengths(held.kv_lengths)
+            return (state, *held[:5]), {"adapters": per_token} | self._hidden()
+        state = self._device_state(self.max_pages_per_seq)
+        kwargs = {"continuing": True, "min_len": chunk} | self._hidden() | self._lora(adapters)
+        return (state, [self.num_slots] * rows, [[0] * chunk] * rows), kwargs
 
     def warm_keep(self, out: Any) -> jax.Array:
         """A warm-up step's logits, its hidden states stored nowhere (slots out of range) as
@@ -1220,7 +1319,11 @@ def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stage
     """A warm-up step's program (inputs made as a run makes them)."""
     args, kwargs = executor.warm_inputs(step)
     runner = executor.runner
-    lower = {"decode": runner.lower_decode, "prefill": runner.lower_prefill}.get(step.kind)
+    lower = {
+        "decode": runner.lower_decode,
+        "prefill": runner.lower_prefill,
+        "ragged": getattr(runner, "lower_prefill_held", None),
+    }.get(step.kind)
     return (lower or runner.lower_verify)(*args, **kwargs)
 
 
@@ -1250,6 +1353,8 @@ def _run_warm_steps(
             logits = executor.warm_keep(out)
             verified[logits.shape[0]] = logits
             continue
+        elif step.kind == "ragged":  # (hands its inputs back first, as the decode does)
+            out, executor.state = runner.prefill_held(*args, **kwargs)[-2:]
         else:
             out, executor.state = runner.prefill(*args, **kwargs)
         logits = executor.warm_keep(out)

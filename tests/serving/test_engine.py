@@ -213,6 +213,34 @@ def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(en
         assert len(set(steps)) == 1, f"width {width}: {len(set(steps))} address sets"
 
 
+def test_the_prefill_program_reads_its_inputs_at_the_same_addresses_every_step(engine, monkeypatch):
+    """The ragged prefill's inputs too (its decode rows' and every slot's last token among
+    them) are written into the buffers the last prefill of its shape used, taken by the
+    program and handed back: a step of each shape dispatches one address set."""
+    runner = engine.executor.runner
+    prefill, seen = runner.prefill_held, {}
+
+    def spy(state, *inputs, **kwargs):
+        arrays = (*inputs, state.block_table, state.lengths)
+        seen.setdefault(inputs[0].shape[0], []).append(
+            tuple(a.unsafe_buffer_pointer() for a in arrays)
+        )
+        out = prefill(state, *inputs, **kwargs)
+        assert all(a.is_deleted() for a in arrays)
+        return out
+
+    monkeypatch.setattr(runner, "prefill_held", spy)
+    params = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i in range(24):  # a 20-token prompt a step beside the running rows: 32-token totals
+        engine.add_request(random_prompt(800 + i, 20), params)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seen[32]) >= 10
+    for total, steps in seen.items():
+        assert len(set(steps)) == 1, f"{total} tokens: {len(set(steps))} address sets"
+
+
 def multi_step_params(i: int, max_tokens: int) -> sj.SamplingParams:
     """Settings a multi-step decode takes (no top-k / top-p / top logprobs), by index; every
     seventh request asks for top-p, so the steps that hold it run one step at a time."""
