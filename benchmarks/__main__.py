@@ -61,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: decode steps per device call when a step only decodes (default: the plan's)",
     )
     parser.add_argument(
+        "--max-prefill-seqs",
+        type=int,
+        default=None,
+        metavar="R",
+        help="serving: the most rows of one prefill batch (default: the plan's, 4)",
+    )
+    parser.add_argument(
         "--prefill-batches",
         choices=("padded", "ragged", "mixed"),
         default=None,
@@ -168,6 +175,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--requests", str(args.requests)]
     if args.num_scheduler_steps:
         out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
+    if args.max_prefill_seqs:
+        out += ["--max-prefill-seqs", str(args.max_prefill_seqs)]
     if args.profile_concurrency:
         out += ["--profile-concurrency", str(args.profile_concurrency)]
     if args.prefill_batches:
@@ -192,6 +201,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["requests"] = args.requests
     if args.num_scheduler_steps:
         out["num_scheduler_steps"] = args.num_scheduler_steps
+    if args.max_prefill_seqs:
+        out["max_prefill_seqs"] = args.max_prefill_seqs
     if args.profile_concurrency:
         out["profile_concurrency"] = args.profile_concurrency
     if args.prefill_batches:

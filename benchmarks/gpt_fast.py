@@ -5,7 +5,8 @@
 (what ``peer_in_subprocess("gpt_fast", tiny, timeout_s, arg)`` runs; this is a peer, not a
 suite). Written in the spirit of pytorch-labs/gpt-fast: plain PyTorch modules (RMSNorm, RoPE
 with the config's rescaling, GQA, SwiGLU, tied or untied head), one preallocated cache per
-layer, K and V [B, S, K, H] written with ``index_copy_`` at the input's slots, attention by
+layer, K and V [B, K, S, H] (gpt-fast's layout: attention reads it with no transpose)
+written with ``index_copy_`` at the input's slots, attention by
 ``scaled_dot_product_attention`` under a mask over the whole static cache. On CUDA the decode
 step (greedy argmax inside) is ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA
 graphs) and runs the math SDPA backend, which inductor fuses, as gpt-fast's decode does;
@@ -62,16 +63,17 @@ class KVCache(nn.Module):
 
     def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, like: Tensor) -> None:
         super().__init__()
-        shape = (batch, max_len, heads, head_dim)  # [B, S, K, H]
+        shape = (batch, heads, max_len, head_dim)  # [B, K, S, H]
         for name in ("k", "v"):
             buffer = torch.zeros(shape, dtype=like.dtype, device=like.device)
             torch._dynamo.mark_static_address(buffer)
             self.register_buffer(name, buffer, persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Writes k, v [B, T, K, H] at slots ``input_pos`` [T]; returns the whole cache."""
-        self.k.index_copy_(1, input_pos, k)
-        self.v.index_copy_(1, input_pos, v)
+        """Writes k, v [B, T, K, H] at slots ``input_pos`` [T]; returns the whole cache,
+        [B, K, S, H]."""
+        self.k.index_copy_(2, input_pos, k.transpose(1, 2))
+        self.v.index_copy_(2, input_pos, v.transpose(1, 2))
         return self.k, self.v
 
 
@@ -83,16 +85,16 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q [B, T, N, H], k and v [B, S, K, H], mask [B, T, S] (True: attend) -> [B, T, N*H].
+    """q [B, T, N, H], k and v [B, K, S, H], mask [B, T, S] (True: attend) -> [B, T, N*H].
 
     The G = N / K query heads of a KV head are folded into its query rows, so the cache is
     read once per KV head and never repeated G times."""
     b, t, n, h = q.shape
-    kv, s = k.shape[2], k.shape[1]
+    kv, s = k.shape[1], k.shape[2]
     g = n // kv
     q = q.view(b, t, kv, g, h).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
     mask = mask[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask)
+    out = F.scaled_dot_product_attention(q, k, v, mask)
     return out.view(b, kv, g, t, h).permute(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 

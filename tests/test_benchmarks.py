@@ -56,8 +56,9 @@ def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
 
     argv = ["serving", "--concurrency", "64", "256", "--requests", "300"]
     argv += ["--num-scheduler-steps", "4", "--profile-concurrency", "256"]
-    args = parse_args([*argv, "--prefill-batches", "mixed"])
+    args = parse_args([*argv, "--prefill-batches", "mixed", "--max-prefill-seqs", "8"])
     want = {"concurrency": (64, 256), "requests": 300, "num_scheduler_steps": 4}
+    want |= {"max_prefill_seqs": 8}
     want |= {"profile_concurrency": 256, "ragged_prefill": True, "mixed_batches": True}
     assert plan_overrides(args) == want
     assert plan_overrides(parse_args(["serving", *plan_args(args)])) == plan_overrides(args)

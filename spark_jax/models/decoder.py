@@ -868,38 +868,19 @@ class Runner:
         last_tokens: jax.Array | None = None,
         adapters: Sequence[int] | None = None,
         with_hidden: bool = False,
-    ) -> tuple[tuple[Any, ...], Any, KVCache]:
+        *,
+        lower: bool = False,
+    ) -> Any:
         """A ragged prefill appending to the rows' cache, its inputs on the device already
         (``prefill_returning_inputs``: handed back first); ``adapters``: one per token
-        (``token_adapters``)."""
-        return prefill_returning_inputs(
-            *self._held_args(state, tokens, lengths, slots, decode_slots, last_tokens, adapters),
-            options=self.options,
-            with_hidden=with_hidden,
-        )
-
-    def lower_prefill_held(
-        self,
-        state: KVCache,
-        tokens: jax.Array,
-        lengths: jax.Array,
-        slots: jax.Array,
-        decode_slots: jax.Array | None = None,
-        last_tokens: jax.Array | None = None,
-        adapters: Sequence[int] | None = None,
-        with_hidden: bool = False,
-    ) -> jax.stages.Lowered:
-        """``prefill_held``'s program for these inputs, traced but neither compiled nor run."""
-        return prefill_returning_inputs.lower(
-            *self._held_args(state, tokens, lengths, slots, decode_slots, last_tokens, adapters),
-            options=self.options,
-            with_hidden=with_hidden,
-        )
-
-    def _held_args(self, state, tokens, lengths, slots, decode_slots, last_tokens, adapters):
-        """``prefill_returning_inputs``' positional arguments."""
+        (``token_adapters``). ``lower``: the program for these inputs, traced but neither
+        compiled nor run."""
+        step = prefill_returning_inputs.lower if lower else prefill_returning_inputs
         inputs = (tokens, lengths, slots, decode_slots, last_tokens)
-        return (self.params, self.config, *inputs, state, self._lora(adapters))
+        return step(
+            self.params, self.config, *inputs, state, self._lora(adapters),
+            options=self.options, with_hidden=with_hidden,
+        )  # fmt: skip
 
     def decode(
         self,

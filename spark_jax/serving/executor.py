@@ -856,7 +856,8 @@ class PagedExecutor:
     ):
         if mixed and (keep_hidden or not ragged_prefill):
             raise ValueError(
-                "decode rows ride only in ragged prefill batches that keep no hidden states."
+                "decode rows ride only in ragged prefill batches that keep no hidden states; "
+                "pass ragged_prefill=True and keep_hidden=False, or mixed=False."
             )
         c = model.config
         self.runner = model.runner
@@ -1319,11 +1320,9 @@ def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stage
     """A warm-up step's program (inputs made as a run makes them)."""
     args, kwargs = executor.warm_inputs(step)
     runner = executor.runner
-    lower = {
-        "decode": runner.lower_decode,
-        "prefill": runner.lower_prefill,
-        "ragged": getattr(runner, "lower_prefill_held", None),
-    }.get(step.kind)
+    if step.kind == "ragged":  # (the paged executor's)
+        return runner.prefill_held(*args, **kwargs, lower=True)
+    lower = {"decode": runner.lower_decode, "prefill": runner.lower_prefill}.get(step.kind)
     return (lower or runner.lower_verify)(*args, **kwargs)
 
 
