@@ -35,11 +35,15 @@ counts the drain, where fewer than C requests remain), TTFT (submit to first tok
 per engine step (the driving thread's: waits on the device take none); the workload's roofline:
 the decode steps it needs (output tokens / C) each reading the weights once, every generated
 token reading its context's keys and values once, at the read ceiling, plus its prompts' FLOPs
-at the matmul rate, both ceilings measured in this run. At C=1 and at the profiled level (C=64)
-the TPOT is compared with the bare decode step at that width and the level's mean context
-(device-timed); at the profiled level (``--profile-concurrency``, default 64) a profile of
-24 steps, in a pass of its own after the level (the profiler stalls the engine), gives the
-device's idle fraction, each program's device time and what the host was inside.
+at the matmul rate, both ceilings measured in this run. The roofline assumes C requests in flight
+throughout; the closed loop's own floor is its longest chain: each client's requests one after
+another, a step for a prompt and one a token (``chain_steps``). Each level's TPOT is compared
+with the bare decode step at its width and mean context (device-timed), and its throughput with
+the chain's at that step (``chain_bound_tok_s``: every step as short as a bare decode step, no
+prefill costing anything). At the profiled level (``--profile-concurrency``, default 64) a
+profile of 24 steps, in a pass of its own after the level (the profiler stalls the engine),
+gives the device's idle fraction (all gaps, and the gaps between programs: between steps),
+each program's device time and what the host was inside.
 
 Peers, each in a child process run first so torch and JAX never share GPU memory: HF
 ``LlamaForCausalLM`` (torch, bf16, sdpa) with ``generate`` over static batches of
@@ -57,6 +61,7 @@ import collections
 import dataclasses
 import gc
 import glob
+import heapq
 import inspect
 import json
 import math
@@ -226,6 +231,20 @@ def roofline(
     flops = sum(prefill_flops(c, 1, p) for p, _ in done)
     seconds = decode_bytes / peaks["read_bytes_per_s"] + flops / peaks["matmul_flop_s"]
     return {"bytes": decode_bytes, "flops": flops, "seconds": seconds, "tok_s": outputs / seconds}
+
+
+def chain_steps(requests: list[tuple[list[int], int]], concurrency: int) -> int:
+    """The closed loop's floor in steps: every step as long as any other, each client takes
+    the next queued request as its last one ends (a step for its prompt, then one a token),
+    and the level ends with its longest chain. Its wall time is at least this many steps,
+    whatever the device does between."""
+    clients = [(0, i) for i in range(concurrency)]
+    last = 0
+    for _, output in requests:
+        start, client = heapq.heappop(clients)
+        last = max(last, start + 1 + output)
+        heapq.heappush(clients, (start + 1 + output, client))
+    return last
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -604,9 +623,9 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         c: per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
         for c in plan.concurrency
     }
-    for c in sorted({1, plan.profile_concurrency} & set(counts)):
+    for c in sorted(counts):
         # The bare step at the width and mean context the level will see, while idle: C=1's
-        # TPOT target, and at the profiled level what its steps cost with no serving around.
+        # TPOT target, and at every level what its steps cost with no serving around.
         mean_context = np.mean([len(p) + n / 2 for p, n in requests[: counts[c]]])
         width = rung(engine.executor.decode_widths, c)
         ms = bare_decode_seconds(engine, int(mean_context), rows=width) * 1e3
@@ -620,6 +639,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
             "tok/s",
             "steady tok/s",
             "roofline",
+            "chain bound",
             "x HF",
             "x gpt-fast",
             "TTFT p50 ms",
@@ -630,6 +650,13 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
     for c in plan.concurrency:
         level = run_level(engine, requests[: counts[c]], c)
         level["roofline"] = roofline(plan, level.pop("lengths"), c, peaks)
+        level["chain_steps"] = chain_steps(requests[: counts[c]], c)
+        bare_s = report.peers[f"bare_decode_bs{c}_ms"] / 1e3
+        level["chain_bound_tok_s"] = level["output_tokens"] / (level["chain_steps"] * bare_s)
+        report.peers[f"c{c}_chain_bound_tok_s"] = level["chain_bound_tok_s"]
+        report.ratios[f"c{c}_of_chain_bound"] = ratio(
+            level["output_tok_s"], level["chain_bound_tok_s"]
+        )
         if c == plan.profile_concurrency:
             level["device_idle"] = profiled_idle(engine, requests, c)
         report.details[f"c{c}"] = level
@@ -659,6 +686,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
                 level["output_tok_s"],
                 level.get("steady_output_tok_s", ""),
                 level["roofline"]["tok_s"],
+                level["chain_bound_tok_s"],
                 report.ratios[f"c{c}_over_hf"],
                 report.ratios[f"c{c}_over_gpt_fast"],
                 level["ttft_s"]["p50"] * 1e3,
@@ -698,7 +726,7 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
         report.figures[f"shared_prefix_cache_{name}_ttft_p50_ms"] = level["ttft_s"]["p50"] * 1e3
         report.figures[f"shared_prefix_cache_{name}_tok_s"] = level["output_tok_s"]
         ttft, tpot = level["ttft_s"]["p50"] * 1e3, level["tpot_s"]["p50"] * 1e3
-        table.append(["shared prefix", f"cache {name}", "", "", "", "", ttft, tpot, ""])
+        table.append(["shared prefix", f"cache {name}", "", "", "", "", "", ttft, tpot, ""])
     report.ratios["shared_prefix_ttft_off_over_on"] = ratio(
         off["ttft_s"]["p50"], on["ttft_s"]["p50"]
     )

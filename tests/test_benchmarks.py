@@ -111,3 +111,14 @@ def test_device_idle_tells_gaps_between_programs_from_gaps_inside_one() -> None:
     # A long kernel of a on one stream hides b's short one on another: a ended last.
     busy, gaps, between = merged_gaps([(0, 100, "a"), (10, 20, "b"), (110, 120, "a")])
     assert (busy, gaps, between) == (110, [(100, 110)], 0)
+
+
+def test_the_closed_loops_floor_is_its_longest_chain_of_requests() -> None:
+    """Two clients: the first two requests start together, the third when the first ends
+    (a step for its prompt, one a token); the level ends with the longest chain."""
+    from benchmarks.serving import chain_steps
+
+    requests = [([1], 3), ([1], 5), ([1], 4)]
+    assert chain_steps(requests, 2) == 4 + 5  # the first ends at 4, the third 5 steps later
+    assert chain_steps(requests, 3) == 6
+    assert chain_steps(requests, 1) == 4 + 6 + 5

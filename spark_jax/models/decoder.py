@@ -7,7 +7,7 @@ the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
     prefill(params, config, tokens[B,T], lengths[B], slots[B], kv) -> (logits[B,V], kv)
       (ragged=True: tokens[N], the rows' tokens one after another: ``ragged_rows``; with
       decode_slots[S] too, those cache rows decode a token each in the same forward, after
-      the rows' tokens: logits[B+S,V])
+      the rows' tokens: (logits[B,V], logits[S,V]))
     decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
     verify_hidden(...same...)                     -> ((logits[B,T,V], hidden[B,T,D]), kv)
@@ -457,7 +457,8 @@ def prefill(
     ``decode_slots`` (a ragged batch's; int32[S], out of range: none, the real ones first)
     makes it a mixed step: those cache rows also decode one token each, their last token
     (``last_tokens[slot]``) placed after the ragged rows' in the stream, so the weights are
-    read once for both. The logits are then [B + S, V]: the rows' last, then the decode rows'.
+    read once for both. The logits are then a pair: the rows' last [B, V] and the decode rows'
+    [S, V] (each picked at a shape the engine's other steps have).
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
     n = tokens.shape[0]
@@ -479,6 +480,8 @@ def prefill(
     else:
         last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)
+    if decoding is not None:  # one LM head read for both, split after
+        logits = (logits[: lengths.shape[0]], logits[lengths.shape[0] :])
     return ((logits, hidden) if with_hidden else logits), kv
 
 

@@ -1137,8 +1137,8 @@ class PagedExecutor:
         before_pick: Callable[[], None] | None,
     ) -> list[Picks]:
         """Runs the chunks, and the ``riding`` decode rows a step each in the same forward;
-        ``before_pick`` once it is dispatched; then one pick: the rows that end their prefill
-        and the riding rows, from their logits."""
+        ``before_pick`` once it is dispatched; then the picks of the rows that end their
+        prefill and of the riding rows, from their logits."""
         rows, padded = plan.prefill, plan.prefill_rows
         pad = padded - len(rows)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
@@ -1174,9 +1174,13 @@ class PagedExecutor:
             self.table.lengths[seq.slot] += 1
         if before_pick is not None:
             before_pick()
-        if all(s is None for s in seqs):
-            return []
-        return [self.sampler.pick(logits, seqs)]
+        # The prefill rows' pick and the riding rows' (each at a width the decode has).
+        outs = logits if self.mixed else (logits,)
+        picks = []
+        for x, part in zip(outs, (seqs[:padded], seqs[padded:]), strict=False):
+            if any(s is not None for s in part):
+                picks.append(self.sampler.pick(x, part))
+        return picks
 
     def _ragged_inputs(
         self,
@@ -1357,7 +1361,8 @@ def _run_warm_steps(
         else:
             out, executor.state = runner.prefill(*args, **kwargs)
         logits = executor.warm_keep(out)
-        shapes[logits.shape[0]] = logits
+        for x in logits if isinstance(logits, tuple) else (logits,):  # a mixed step's pair
+            shapes[x.shape[0]] = x
     sampler.warm(list(shapes.values()), compile_threads)
     for logits in verified.values():
         sampler.warm_judge(logits)

@@ -147,13 +147,13 @@ def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invar
 def test_padded_and_ragged_prefill_give_the_same_tokens_and_never_compile_after_warmup(
     tiny_llama, invariance_run, batches
 ):
-    """The invariance run's 64 requests (the default engine's: ragged prefill batches with
-    the decode rows riding in them) through an engine whose prefill batches are [B, T] or
-    ragged with no decode row in them: the same tokens (each request's alone), no compile
+    """The invariance run's first 40 requests (the default engine's: ragged prefill batches
+    with the decode rows riding in them) through an engine whose prefill batches are [B, T]
+    or ragged with no decode row in them: the same tokens (each request's alone), no compile
     after warm-up, nothing leaked; ragged, every batch of the top row count and a total on
     the ragged ladder."""
     _, model = tiny_llama
-    prompts, params, results, _ = invariance_run
+    prompts, params, results = (x[:40] for x in invariance_run[:3])
     option = {"ragged_prefill": False} if batches == "padded" else {"mixed_batches": False}
     other = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, **option)
     if batches == "ragged":
@@ -231,12 +231,12 @@ def test_the_prefill_program_reads_its_inputs_at_the_same_addresses_every_step(e
 
     monkeypatch.setattr(runner, "prefill_held", spy)
     params = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    for i in range(24):  # a 20-token prompt a step beside the running rows: 32-token totals
+    for i in range(12):  # a 20-token prompt a step beside the running rows: 32-token totals
         engine.add_request(random_prompt(800 + i, 20), params)
         engine.step()
     while engine.has_unfinished():
         engine.step()
-    assert len(seen[32]) >= 10
+    assert len(seen[32]) >= 6
     for total, steps in seen.items():
         assert len(set(steps)) == 1, f"{total} tokens: {len(set(steps))} address sets"
 

@@ -26,9 +26,11 @@ from spark_jax.serving.scheduler import (
 
 def paged(
     slots=4, pages=8, page_size=4, max_batch_tokens=64, chunk_low=16, rows=4, caching=False,
-    max_num_batched_tokens=None,
+    max_num_batched_tokens=None, mixed=False,
 ) -> Scheduler:  # fmt: skip
-    budget = ChunkBudget(max_batch_tokens, pow2_ladder(chunk_low, max_batch_tokens))
+    """``mixed``: ragged batches that the decode rows ride in (else [B, T] ones)."""
+    ladder = (ragged_ladder if mixed else pow2_ladder)(chunk_low, max_batch_tokens)
+    budget = ChunkBudget(max_batch_tokens, ladder, ragged=mixed, mixed=mixed)
     top = max(1, min(rows, max_batch_tokens // chunk_low))
     pool = PageAllocator(pages, enable_prefix_caching=caching)
     return Scheduler(slots, pow2_ladder(1, top), pool, page_size, budget, max_num_batched_tokens)
@@ -363,9 +365,15 @@ def test_idle_cached_pages_are_evicted_least_recently_released_first():
     assert plan.prefill[0].seq is c and plan.prefill[0].start == 0  # a's pages are gone
 
 
-def test_preemption_and_aborts_with_the_cache_leave_no_page_or_reference_behind():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_preemption_and_aborts_with_the_cache_leave_no_page_or_reference_behind(mixed):
+    """2 000 requests over a pool that preempts, random aborts, the prefix cache on: every page
+    and reference comes back, with [B, T] batches and with mixed ones."""
     rng = __import__("random").Random(0)
-    s = paged(slots=4, pages=12, page_size=4, max_batch_tokens=32, chunk_low=16, caching=True)
+    s = paged(
+        slots=4, pages=12, page_size=4, max_batch_tokens=32, chunk_low=16, caching=True,
+        mixed=mixed,
+    )  # fmt: skip
     prefixes = [list(range(100 * k, 100 * k + 8)) for k in range(3)]
     live: list[SequenceState] = []
     for i in range(2000):
