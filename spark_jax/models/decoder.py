@@ -829,9 +829,8 @@ class Runner:
                 )
             mixed = (jnp.asarray(decode_slots, jnp.int32), last_tokens)
         if ragged:
-            decoding = int(
-                np.sum(np.asarray(() if not mixed else decode_slots) < len(state.lengths))
-            )
+            riding = np.asarray([] if decode_slots is None else decode_slots)
+            decoding = int((riding < len(state.lengths)).sum())  # the real decode rows
             if sum(lengths) + decoding > min_len:
                 raise ValueError(
                     f"a ragged prefill of {sum(lengths)} tokens and {decoding} decode rows "
