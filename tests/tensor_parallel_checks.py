@@ -197,8 +197,10 @@ def engine_check(path: Path, adapter: Path) -> dict:
                           seed=i, top_k=20 if i % 3 else -1, adapter="a" if i % 2 else None)
         for i in range(6)
     ]  # fmt: skip
+    # 32 tokens: room for a chunk beside both rows, so the decode rows ride in the prefill
+    # batches (mixed batches, the default where they fit).
     engine = sj.Engine(
-        model, max_num_seqs=2, max_batch_tokens=16, page_size=16, max_model_len=64,
+        model, max_num_seqs=2, max_batch_tokens=32, page_size=16, max_model_len=64,
         decode_widths=[2],
     )  # fmt: skip
     engine.warmup(compile_threads=2)
@@ -209,6 +211,7 @@ def engine_check(path: Path, adapter: Path) -> dict:
         "batch_invariant": [r.output_tokens for r in results] == alone,
         "compiles_after_warmup": counter.count,
         "pages_spec": str(engine.executor.state.k_pages[0].sharding.spec),
+        "mixed_steps": engine.executor.num_mixed_steps,
     }
 
 

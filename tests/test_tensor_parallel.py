@@ -93,6 +93,7 @@ def test_a_tp_4_engine_is_batch_invariant_and_never_compiles_after_warmup(report
     assert engine["batch_invariant"]
     assert engine["compiles_after_warmup"] == 0
     assert engine["pages_spec"] == "P(None, None, 'tp')"  # pages split by KV heads
+    assert engine["mixed_steps"] > 0  # decode rows rode in prefill batches
 
 
 def test_speculative_decoding_at_tp_4_gives_the_greedy_tokens_of_one_device(report):
