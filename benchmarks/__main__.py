@@ -68,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: the most rows of one prefill batch (default: the plan's, 4)",
     )
     parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="serving: the engine's step budget in tokens, riding decode rows included "
+        "(default: the plan's, 1024)",
+    )
+    parser.add_argument(
         "--prefill-batches",
         choices=("padded", "ragged", "mixed"),
         default=None,
@@ -177,6 +185,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.max_prefill_seqs:
         out += ["--max-prefill-seqs", str(args.max_prefill_seqs)]
+    if args.max_batch_tokens:
+        out += ["--max-batch-tokens", str(args.max_batch_tokens)]
     if args.profile_concurrency:
         out += ["--profile-concurrency", str(args.profile_concurrency)]
     if args.prefill_batches:
@@ -203,6 +213,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["num_scheduler_steps"] = args.num_scheduler_steps
     if args.max_prefill_seqs:
         out["max_prefill_seqs"] = args.max_prefill_seqs
+    if args.max_batch_tokens:
+        out["max_batch_tokens"] = args.max_batch_tokens
     if args.profile_concurrency:
         out["profile_concurrency"] = args.profile_concurrency
     if args.prefill_batches:

@@ -4,11 +4,14 @@ the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
         [--num-scheduler-steps 1 4] [--no-profile] [--prefill-batches padded ragged mixed]
-        [--tiny]
+        [--max-batch-tokens 512 1024] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
-in them (``mixed_batches=True``), and runs every level on each: a same-call A/B. Each level
+in them (``mixed_batches=True``), and runs every level on each: a same-call A/B.
+``--max-batch-tokens`` likewise builds one engine per step budget (a chunk of prefill beside
+the riding decode rows: a smaller one hides more of the decode's weight reads under the
+prefill's matmuls, at more steps per prompt). Each level
 takes the suite's requests and count (``--requests`` overrides it). Prints
 the bare decode step at each level's width and mean context (device-timed, the engine's own
 program); then per level and setting (the engine is built for the largest, its
@@ -58,22 +61,33 @@ def main() -> None:
         help="[B, T] (padded), ragged, or ragged with the decode rows (mixed): an engine each",
     )
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the engine's step budget in tokens: an engine each (default: the plan's)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
+    base = SMALL if args.tiny else FULL
     for batches in args.prefill_batches:
-        plan = dataclasses.replace(
-            SMALL if args.tiny else FULL,
-            engine_slots=args.slots,
-            num_scheduler_steps=most,
-            ragged_prefill=batches != "padded",
-            mixed_batches=batches == "mixed",
-        )
-        engine, timings = build_engine(plan)
-        print(f"engine, {batches} prefill batches", json.dumps(timings), flush=True)
-        run_levels(engine, plan, args)
-        del engine  # its page pool, before the next engine takes one of its own
-        gc.collect()
+        for budget in args.max_batch_tokens or [base.max_batch_tokens]:
+            plan = dataclasses.replace(
+                base,
+                engine_slots=args.slots,
+                num_scheduler_steps=most,
+                ragged_prefill=batches != "padded",
+                mixed_batches=batches == "mixed",
+                max_batch_tokens=budget,
+            )
+            engine, timings = build_engine(plan)
+            name = f"{batches} prefill batches, {budget} tokens a step"
+            print(f"engine, {name}", json.dumps(timings), flush=True)
+            run_levels(engine, plan, args)
+            del engine  # its page pool, before the next engine takes one of its own
+            gc.collect()
 
 
 def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
