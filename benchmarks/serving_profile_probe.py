@@ -4,14 +4,15 @@ the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
         [--num-scheduler-steps 1 4] [--no-profile] [--prefill-batches padded ragged mixed]
-        [--max-batch-tokens 512 1024] [--tiny]
+        [--max-batch-tokens 512 1024] [--max-prefill-seqs 4 8] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
 in them (``mixed_batches=True``), and runs every level on each: a same-call A/B.
-``--max-batch-tokens`` likewise builds one engine per step budget (a chunk of prefill beside
-the riding decode rows: a smaller one hides more of the decode's weight reads under the
-prefill's matmuls, at more steps per prompt). Each level
+``--max-batch-tokens`` and ``--max-prefill-seqs`` likewise build an engine per step budget
+and per most prompts in a prefill batch (a smaller budget hides more of the riding decode
+rows' weight reads under the prefill's matmuls, at more steps a prompt; more prompts admit a
+wave of requests in one step, at a wider attention layout). Each level
 takes the suite's requests and count (``--requests`` overrides it). Prints
 the bare decode step at each level's width and mean context (device-timed, the engine's own
 program); then per level and setting (the engine is built for the largest, its
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 from typing import Any
 
@@ -68,12 +70,22 @@ def main() -> None:
         default=None,
         help="the engine's step budget in tokens: an engine each (default: the plan's)",
     )
+    parser.add_argument(
+        "--max-prefill-seqs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the most rows of one prefill batch: an engine each (default: the plan's)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
     base = SMALL if args.tiny else FULL
     for batches in args.prefill_batches:
-        for budget in args.max_batch_tokens or [base.max_batch_tokens]:
+        for budget, seqs in itertools.product(
+            args.max_batch_tokens or [base.max_batch_tokens],
+            args.max_prefill_seqs or [base.max_prefill_seqs],
+        ):
             plan = dataclasses.replace(
                 base,
                 engine_slots=args.slots,
@@ -81,9 +93,10 @@ def main() -> None:
                 ragged_prefill=batches != "padded",
                 mixed_batches=batches == "mixed",
                 max_batch_tokens=budget,
+                max_prefill_seqs=seqs,
             )
             engine, timings = build_engine(plan)
-            name = f"{batches} prefill batches, {budget} tokens a step"
+            name = f"{batches} prefill batches, {budget} tokens and {seqs} prompts a step"
             print(f"engine, {name}", json.dumps(timings), flush=True)
             run_levels(engine, plan, args)
             del engine  # its page pool, before the next engine takes one of its own
