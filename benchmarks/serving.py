@@ -303,9 +303,11 @@ def run_level(
     requests: list[tuple[list[int], int]],
     concurrency: int,
     profile_steps: tuple[int, int] | None = None,
+    python_tracer: bool = True,
 ) -> dict:
     """Closed-loop clients: ``concurrency`` requests in flight until all have finished.
-    ``profile_steps`` (first, count): those engine steps are traced (``device_idle``)."""
+    ``profile_steps`` (first, count): those engine steps are traced (``device_idle``), the
+    host's Python calls too if ``python_tracer``."""
     import spark_jax as sj
 
     queue = list(requests)
@@ -322,7 +324,9 @@ def run_level(
             inflight[engine.add_request(prompt, params)] = record
         if profile_steps and steps == profile_steps[0]:
             trace_dir = tempfile.mkdtemp()
-            jax.profiler.start_trace(trace_dir)
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = int(python_tracer)
+            jax.profiler.start_trace(trace_dir, profiler_options=options)
         cpu = time.thread_time()  # the host's own work: waits on the device take no CPU
         outputs = engine.step()
         host_cpu += time.thread_time() - cpu
@@ -337,6 +341,8 @@ def run_level(
             if out.finished:
                 record["end"], record["tokens"] = now, len(out.result.output_tokens)
                 done.append(inflight.pop(out.request_id))
+    if trace_dir and steps < profile_steps[0] + profile_steps[1]:
+        jax.profiler.stop_trace()  # the level ended first: its figures stay out (below)
     level = summary(done, time.perf_counter() - start, concurrency)
     level |= steady_state(emitted, done)
     level["engine_steps"] = steps
@@ -366,14 +372,25 @@ def summary(done: list[dict[str, float]], wall: float, concurrency: int) -> dict
     }
 
 
-def profiled_idle(engine: Any, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+def profiled_idle(
+    engine: Any,
+    requests: list[tuple[list[int], int]],
+    concurrency: int,
+    python_tracer: bool = False,
+) -> dict:
     """``device_idle`` of 24 steady-state steps (past the first admissions' prefills, before
     the queue runs dry) of a pass of its own over the level's first ``2C`` requests. Its own
     pass, because the profiler stalls the engine: stopping it writes the trace (0.7 s on the
     CPU for a few tiny steps; the GPU's 24 steps were over 16 MB) and the python tracer slows
     the host while it runs. Inside the measured level it put a 94 ms TPOT p99 beside a 12 ms
-    p50 at C=64 on an H100 (C=256, unprofiled: 54 and 45)."""
-    traced = run_level(engine, requests[: 2 * concurrency], concurrency, (concurrency, 24))
+    p50 at C=64 on an H100 (C=256, unprofiled: 54 and 45).
+
+    ``python_tracer``: the host's Python calls are traced too (``host_during_idle_ms``: what
+    the host did while the device waited). Off, the idle measures the engine, not the tracer:
+    tracing every call slows the host, and a host-paced step's gaps with it."""
+    traced = run_level(
+        engine, requests[: 2 * concurrency], concurrency, (concurrency, 24), python_tracer
+    )
     return traced.get("device_idle", {"error": "the pass ended before the traced steps"})
 
 

@@ -125,7 +125,7 @@ def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
             figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
             print(f"C={c}, steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
             if not args.no_profile:
-                idle = profiled_idle(engine, requests, c)
+                idle = profiled_idle(engine, requests, c, python_tracer=True)
                 print(f"C={c}, steps per call {steps}, profiled:", json.dumps(idle, indent=1))
 
 
