@@ -31,6 +31,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from benchmarks.serving import (
     build_engine,
     profiled_idle,
     run_level,
+    shared_prefix_workload,
     workload,
 )
 from spark_jax.serving.scheduler import rung
@@ -77,6 +79,19 @@ def main() -> None:
         default=None,
         help="the most rows of one prefill batch: an engine each (default: the plan's)",
     )
+    parser.add_argument(
+        "--python-tracer",
+        choices=("on", "off"),
+        default="on",
+        help="profiled passes trace the host's Python calls too (off: the idle of the engine, "
+        "not of the traced host)",
+    )
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="also the suite's shared-prefix workload, cache on: each step of a wave's "
+        "admission timed, then the wave traced",
+    )
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
@@ -99,6 +114,8 @@ def main() -> None:
             name = f"{batches} prefill batches, {budget} tokens and {seqs} prompts a step"
             print(f"engine, {name}", json.dumps(timings), flush=True)
             run_levels(engine, plan, args)
+            if args.shared:
+                shared_timeline(engine, plan, args)
             del engine  # its page pool, before the next engine takes one of its own
             gc.collect()
 
@@ -125,8 +142,42 @@ def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
             figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
             print(f"C={c}, steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
             if not args.no_profile:
-                idle = profiled_idle(engine, requests, c, python_tracer=True)
+                idle = profiled_idle(engine, requests, c, args.python_tracer == "on")
                 print(f"C={c}, steps per call {steps}, profiled:", json.dumps(idle, indent=1))
+
+
+def shared_timeline(engine: Any, plan: Any, args: argparse.Namespace, steps: int = 6) -> None:
+    """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
+    prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
+    submitted together, each of its first ``steps`` engine steps timed on the host (when
+    the first tokens come out), then the same wave again under the profiler."""
+    import spark_jax as sj
+
+    shared = shared_prefix_workload(plan)
+    engine.num_scheduler_steps = plan.shared_num_scheduler_steps
+    c = plan.shared_concurrency
+    level = run_level(engine, shared, c)
+    print("shared prefix, cache on: TTFT p50 ms", level["ttft_s"]["p50"] * 1e3, flush=True)
+    for traced in (False, True):
+        params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
+        if traced:
+            trace = run_level(engine, shared[:c], c, (0, steps), args.python_tracer == "on")
+            print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
+            continue
+        start = time.perf_counter()
+        waiting = {engine.add_request(p, params) for p, _ in shared[:c]}
+        for i in range(steps):
+            began = time.perf_counter()
+            firsts = [out for out in engine.step() if out.request_id in waiting]
+            waiting -= {out.request_id for out in firsts}
+            ended = time.perf_counter()
+            print(
+                f"shared wave step {i}: from {1e3 * (began - start):.2f} ms, "
+                f"{1e3 * (ended - began):.2f} ms, first tokens {len(firsts)}",
+                flush=True,
+            )
+        while engine.has_unfinished():
+            engine.step()
 
 
 if __name__ == "__main__":
