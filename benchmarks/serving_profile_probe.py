@@ -150,7 +150,8 @@ def shared_timeline(engine: Any, plan: Any, args: argparse.Namespace, steps: int
     """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
     prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
     submitted together, each of its first ``steps`` engine steps timed on the host (when
-    the first tokens come out), then the same wave again under the profiler."""
+    the first tokens come out), then the same wave again under the profiler, the host's
+    Python calls traced (what the host does while the device waits)."""
     import spark_jax as sj
 
     shared = shared_prefix_workload(plan)
@@ -161,7 +162,7 @@ def shared_timeline(engine: Any, plan: Any, args: argparse.Namespace, steps: int
     for traced in (False, True):
         params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
         if traced:
-            trace = run_level(engine, shared[:c], c, (0, steps), args.python_tracer == "on")
+            trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=True)
             print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
             continue
         start = time.perf_counter()
