@@ -957,14 +957,14 @@ class PagedExecutor:
         flight there, so its guided rows' matchers see their last tokens while the forward
         runs."""
         self.table.sync([s for s in slots if s is not None])
-        self.sampler.sync(slots)
         riding = plan.decode if self._rides(plan) else []
         picks = []
         if plan.decode and not riding:
+            self.sampler.sync(slots)
             picks.append(self._decode(plan, before_pick))
             before_pick = None
         if plan.prefill:
-            picks += self._prefill(plan, riding, before_pick)
+            picks += self._prefill(plan, riding, before_pick, slots)
         elif before_pick is not None:
             before_pick()
         return picks
@@ -1135,10 +1135,12 @@ class PagedExecutor:
         plan: StepPlan,
         riding: list[SequenceState],
         before_pick: Callable[[], None] | None,
+        slots: Sequence[SequenceState | None],
     ) -> list[Picks]:
         """Runs the chunks, and the ``riding`` decode rows a step each in the same forward;
-        ``before_pick`` once it is dispatched; then the picks of the rows that end their
-        prefill and of the riding rows, from their logits."""
+        then the admitted rows' sampler state (``slots``' new owners: only the picks read
+        it, so the device starts on the forward first); ``before_pick``; then the picks of
+        the rows that end their prefill and of the riding rows, from their logits."""
         rows, padded = plan.prefill, plan.prefill_rows
         pad = padded - len(rows)
         nowhere = self.num_slots  # a slot out of range: its writes are dropped
@@ -1167,6 +1169,7 @@ class PagedExecutor:
                 **self._lora(adapters),
                 **self._hidden(),
             )
+        self.sampler.sync(slots)
         logits = self._keep(out, row_slots, [r.start for r in rows] + [0] * pad)
         for r in rows:
             self.table.lengths[r.seq.slot] = r.start + r.length

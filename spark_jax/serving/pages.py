@@ -6,7 +6,7 @@ scheduling policy allocates from it); ``BlockTable`` is the numpy table the page
 uploads each step, kept in step with the sequences' page lists.
 
 Prefix caching (vLLM's automatic prefix caching): a full page whose keys were computed is
-registered under a ``page_key``, a hash of every token up to the page's end and of the
+registered under its ``page_keys`` entry, a hash of every token up to the page's end and of the
 adapter that computed it (a chain: each key hashes its parent's). A sequence admitted later
 whose tokens start with the same pages takes references on them instead of computing them.
 Pages are reference-counted; a cached page nobody holds stays cached, and the least recently
@@ -23,14 +23,23 @@ from typing import Protocol
 import numpy as np
 
 
-def page_key(parent: bytes | None, tokens: Sequence[int], salt: str | None) -> bytes:
-    """The prefix-cache key of a full page: its tokens, the key of the page before it (None
-    for a sequence's first page) and, on the first page, ``salt`` (the adapter's name: the
-    keys an adapter computes are its own)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent if parent is not None else f"first:{salt}".encode())
-    h.update(np.asarray(tokens, np.int64).tobytes())
-    return h.digest()
+def page_keys(
+    parent: bytes | None, tokens: Sequence[int], page_size: int, salt: str | None
+) -> list[bytes]:
+    """The prefix-cache keys of the pages of ``tokens``, one a ``page_size`` tokens: each
+    hashes its page's tokens and the key of the page before it (``parent`` for the first;
+    None: a sequence's first page, which hashes ``salt`` instead, the adapter's name: the
+    keys an adapter computes are its own). The tokens become bytes once, for all pages."""
+    data = memoryview(np.asarray(tokens, np.int64).tobytes())
+    step = page_size * 8  # int64 bytes
+    keys = []
+    for start in range(0, len(data), step):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent if parent is not None else f"first:{salt}".encode())
+        h.update(data[start : start + step])
+        parent = h.digest()
+        keys.append(parent)
+    return keys
 
 
 class PageAllocator:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_jax.serving.pages import PageAllocator, page_key
+from spark_jax.serving.pages import PageAllocator, page_keys
 
 
 def pow2_ladder(low: int, high: int) -> list[int]:
@@ -123,13 +123,11 @@ class SequenceState:
 
     def keys(self, num_pages: int, page_size: int) -> list[bytes]:
         """The prefix-cache keys of its first ``num_pages`` pages (of tokens the host has)."""
-        tokens = None
-        while len(self.page_keys) < num_pages:
-            tokens = self.tokens if tokens is None else tokens
-            i = len(self.page_keys)
-            parent = self.page_keys[-1] if i else None
-            chunk = tokens[i * page_size : (i + 1) * page_size]
-            self.page_keys.append(page_key(parent, chunk, self.cache_salt))
+        have = len(self.page_keys)
+        if have < num_pages:
+            parent = self.page_keys[-1] if have else None
+            run = self.tokens[have * page_size : num_pages * page_size]
+            self.page_keys += page_keys(parent, run, page_size, self.cache_salt)
         return self.page_keys[:num_pages]
 
     def __repr__(self) -> str:
