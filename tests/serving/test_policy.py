@@ -350,6 +350,18 @@ def test_keys_depend_on_every_earlier_token_and_on_the_adapter():
     assert other.num_cached_tokens == shifted.num_cached_tokens == 0
 
 
+def test_keys_made_page_by_page_as_a_sequence_grows_are_those_of_its_tokens_at_once():
+    growing = SequenceState(0, list(range(9)), cache_salt="fr")
+    first = growing.keys(2, 4)  # the prompt's full pages
+    growing.generated += [40, 41, 42, 43, 44, 45, 46]  # decoded: 16 tokens, 4 full pages
+    at_once = SequenceState(1, list(range(9)) + [40, 41, 42, 43, 44, 45, 46], cache_salt="fr")
+    assert growing.keys(4, 4) == at_once.keys(4, 4) and growing.keys(4, 4)[:2] == first
+    assert len(set(at_once.keys(4, 4))) == 4  # a page's key is its whole prefix's, not its own
+    late = SequenceState(2, list(range(9)) + [40, 41, 42, 43, 44, 45, 47], cache_salt="fr")
+    assert late.keys(4, 4)[:3] == at_once.keys(4, 4)[:3]  # the last token is in page 4 only
+    assert late.keys(4, 4)[3] != at_once.keys(4, 4)[3]
+
+
 def test_idle_cached_pages_are_evicted_least_recently_released_first():
     s = paged(slots=1, pages=4, page_size=4, caching=True)
     s.add(a := SequenceState(0, list(range(9))))  # 2 full pages + 1
