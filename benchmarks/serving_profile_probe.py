@@ -4,7 +4,8 @@ the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
         [--num-scheduler-steps 1 4] [--no-profile] [--prefill-batches padded ragged mixed]
-        [--max-batch-tokens 512 1024] [--max-prefill-seqs 4 8] [--tiny]
+        [--max-batch-tokens 512 1024] [--max-prefill-seqs 4 8] [--python-tracer on|off]
+        [--shared] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
@@ -19,9 +20,11 @@ program); then per level and setting (the engine is built for the largest, its
 multi-step programs compiled, and runs one step per call for 1) the level's throughput,
 steady-state throughput, TPOT and host CPU per step, and ``profiled_idle``'s figures: the
 idle fraction over the traced steps, the kernels and programs that take the time, and the
-Python functions the host was inside (during the device's gaps and in all). With ``$OUT``
-set the last trace is kept there (``serving_trace.xplane.pb``) to be read again with
-``serving.idle_of_trace``.
+Python functions the host was inside (during the device's gaps and in all; with
+``--python-tracer off`` only the device's gaps, unslowed by the tracer). ``--shared`` then
+times a cached wave of the suite's shared-prefix workload step by step (``shared_timeline``).
+With ``$OUT`` set the last trace is kept there (``serving_trace.xplane.pb``) to be read again
+with ``serving.idle_of_trace``.
 """
 
 from __future__ import annotations
