@@ -118,7 +118,7 @@ def main() -> None:
             print(f"engine, {name}", json.dumps(timings), flush=True)
             run_levels(engine, plan, args)
             if args.shared:
-                shared_timeline(engine, plan, args)
+                shared_timeline(engine, plan)
             del engine  # its page pool, before the next engine takes one of its own
             gc.collect()
 
@@ -149,7 +149,7 @@ def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
                 print(f"C={c}, steps per call {steps}, profiled:", json.dumps(idle, indent=1))
 
 
-def shared_timeline(engine: Any, plan: Any, args: argparse.Namespace, steps: int = 6) -> None:
+def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
     prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
     submitted together, each of its first ``steps`` engine steps timed on the host (when
@@ -162,26 +162,23 @@ def shared_timeline(engine: Any, plan: Any, args: argparse.Namespace, steps: int
     c = plan.shared_concurrency
     level = run_level(engine, shared, c)
     print("shared prefix, cache on: TTFT p50 ms", level["ttft_s"]["p50"] * 1e3, flush=True)
-    for traced in (False, True):
-        params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
-        if traced:
-            trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=True)
-            print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
-            continue
-        start = time.perf_counter()
-        waiting = {engine.add_request(p, params) for p, _ in shared[:c]}
-        for i in range(steps):
-            began = time.perf_counter()
-            firsts = [out for out in engine.step() if out.request_id in waiting]
-            waiting -= {out.request_id for out in firsts}
-            ended = time.perf_counter()
-            print(
-                f"shared wave step {i}: from {1e3 * (began - start):.2f} ms, "
-                f"{1e3 * (ended - began):.2f} ms, first tokens {len(firsts)}",
-                flush=True,
-            )
-        while engine.has_unfinished():
-            engine.step()
+    params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
+    start = time.perf_counter()
+    waiting = {engine.add_request(p, params) for p, _ in shared[:c]}
+    for i in range(steps):
+        began = time.perf_counter()
+        firsts = [out for out in engine.step() if out.request_id in waiting]
+        waiting -= {out.request_id for out in firsts}
+        ended = time.perf_counter()
+        print(
+            f"shared wave step {i}: from {1e3 * (began - start):.2f} ms, "
+            f"{1e3 * (ended - began):.2f} ms, first tokens {len(firsts)}",
+            flush=True,
+        )
+    while engine.has_unfinished():
+        engine.step()
+    trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=True)
+    print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
 
 
 if __name__ == "__main__":
