@@ -96,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serving: the engine directly and through the HTTP server, side by side",
     )
     parser.add_argument(
+        "--peers-from",
+        default=None,
+        metavar="DIR",
+        help="serving: read the peers' results from DIR/<peer>.json (each written by "
+        "`python -m benchmarks <peer suite> --peer-json DIR/<peer>.json` on this device just "
+        "before) in place of running them",
+    )
+    parser.add_argument(
         "--quantize",
         nargs="+",
         default=None,
@@ -222,6 +230,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["mixed_batches"] = args.prefill_batches == "mixed"
     if args.http:
         out["http"] = True
+    if args.peers_from:
+        out["peers_from"] = args.peers_from
     if args.quantize:
         out["quantize"] = tuple(args.quantize)
     if args.kv_cache_dtype:

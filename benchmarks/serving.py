@@ -71,6 +71,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -582,6 +583,15 @@ def peer(tiny: bool, arg: str = "") -> dict[str, Any]:
     }
 
 
+def peer_from_file(path: str) -> dict[str, Any]:
+    """A peer's JSON written earlier by its ``--peer-json`` run, with where and when it was
+    written; ``{"error": ...}`` when there is none."""
+    if not os.path.isfile(path):
+        return {"error": f"no peer results at {path}: run the peer with --peer-json there first"}
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(os.path.getmtime(path)))
+    return json.loads(Path(path).read_text()) | {"read_from": f"{path}, written {written} UTC"}
+
+
 def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None:
     import torch
 
@@ -604,10 +614,19 @@ def progress(name: str, level: dict[str, Any]) -> None:
     print(name, json.dumps({k: level[k] for k in keys if k in level}), file=sys.stderr)
 
 
-def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> Report:
+def run(
+    tiny: bool,
+    peer: bool = True,
+    http: bool = False,
+    peers_from: str | None = None,
+    **overrides: Any,
+) -> Report:
     """The suite; ``overrides`` replace plan fields (``concurrency``, ``requests``), and a
     level then finishes ``requests`` requests whatever its concurrency. ``http``: only the
-    comparison of the engine driven directly and through the HTTP server (C=1 and 64)."""
+    comparison of the engine driven directly and through the HTTP server (C=1 and 64).
+    ``peers_from``: a folder holding the peers' JSON (``<name>.json``, each written by the
+    peer's ``--peer-json`` run on this device just before), read in place of running them:
+    the peers and the engine then fit two device calls where one would run past its limit."""
     plan = dataclasses.replace(SMALL if tiny else FULL, **overrides)
     if http:
         return run_http(plan)
@@ -621,6 +640,9 @@ def run(tiny: bool, peer: bool = True, http: bool = False, **overrides: Any) -> 
     for name, (suite, arg) in peers.items():
         if not peer:
             peer_results[name] = {"error": "left out (--no-peer)"}
+        elif peers_from:
+            peer_results[name] = peer_from_file(os.path.join(peers_from, f"{name}.json"))
+            report.notes.append(f"{name} peer read from {peer_results[name].get('read_from')}")
         elif not torch_available():
             peer_results[name] = {"error": "torch/transformers not installed"}
         else:

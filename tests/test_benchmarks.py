@@ -122,3 +122,20 @@ def test_the_closed_loops_floor_is_its_longest_chain_of_requests() -> None:
     assert chain_steps(requests, 2) == 4 + 5  # the first ends at 4, the third 5 steps later
     assert chain_steps(requests, 3) == 6
     assert chain_steps(requests, 1) == 4 + 6 + 5
+
+
+def test_serving_reads_peers_measured_before_and_says_so(tmp_path: Path) -> None:
+    """``--peers-from DIR`` reads a peer's ``--peer-json`` file, says where and when it was
+    written, and reports a missing one as an error rather than a figure."""
+    from benchmarks.__main__ import parse_args, plan_overrides
+    from benchmarks.serving import peer_from_file
+
+    assert plan_overrides(parse_args(["serving", "--peers-from", str(tmp_path)])) == {
+        "peers_from": str(tmp_path)
+    }
+    path = tmp_path / "hf_static_batches.json"
+    path.write_text(json.dumps({"output_tok_s": 220.5, "device": "cuda"}))
+    read = peer_from_file(str(path))
+    assert read["output_tok_s"] == 220.5 and read["read_from"].startswith(f"{path}, written ")
+    missing = peer_from_file(str(tmp_path / "gpt_fast_static_batches.json"))
+    assert "output_tok_s" not in missing and "--peer-json" in missing["error"]
