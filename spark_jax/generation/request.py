@@ -71,11 +71,17 @@ def check_prompt(
 ) -> list[int]:
     """The prompt as a list of ints; refuses an empty one, ids outside the vocabulary, and
     (``max_len`` given) a prompt plus ``max_tokens`` longer than ``max_len`` positions."""
-    ids = [int(t) for t in prompt]
+    # One pass in numpy: a serving engine checks every prompt on the request's path, and a
+    # list comprehension over a 1,000-token prompt costs ~0.1 ms of Python.
+    try:
+        array = np.fromiter(prompt, np.int64, count=len(prompt))
+    except OverflowError:  # ids past int64: out of the vocabulary, said below
+        array = None
+    ids = [int(t) for t in prompt] if array is None else array.tolist()
     if not ids:
         raise ValueError(f"{what} is empty; give at least one token.")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
+    if array is None or ((array < 0) | (array >= vocab_size)).any():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         raise ValueError(f"{what} has token ids {bad[:5]} outside [0, {vocab_size}).")
     if max_len is not None and len(ids) + max_tokens > max_len:
         raise ValueError(

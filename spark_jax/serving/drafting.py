@@ -243,7 +243,7 @@ class ModelRows(_DeviceRows):
     def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
         # The row now holds the sequence's tokens and K - 1 drafts (the last one the target
         # scores is never fed).
-        count = len(seq.tokens)
+        count = seq.num_tokens
         self.fed[seq.slot] = _Fed(seq.id, count, drafts[: self.k - 1].tolist())
         self.lengths[seq.slot] = count + self.k - 1
 
@@ -325,6 +325,6 @@ class HeadRows(_DeviceRows):
         return drafts
 
     def _record(self, seq: SequenceState, drafts: np.ndarray) -> None:
-        count = len(seq.tokens)
+        count = seq.num_tokens
         self.fed[seq.slot] = (seq.id, count - 1)
         self.lengths[seq.slot] = count - 1 + self.k - 1

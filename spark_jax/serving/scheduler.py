@@ -113,6 +113,11 @@ class SequenceState:
         return self.prompt + self.generated
 
     @property
+    def num_tokens(self) -> int:
+        """``len(tokens)``, without building the list."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_target
 
@@ -432,7 +437,7 @@ class Scheduler:
                 break
             cached = self._cached_pages(seq)
             if self.pages is not None:
-                need = self.pages_for(len(seq.tokens)) - len(cached)
+                need = self.pages_for(seq.num_tokens) - len(cached)
                 if need > self.pages.num_free - self.pages.idle_among(cached):
                     break
             self.waiting.popleft()
@@ -444,7 +449,7 @@ class Scheduler:
         that token is computed, for its logits)."""
         if self.pages is None or not self.pages.enable_prefix_caching:
             return []
-        full = (len(seq.tokens) - 1) // self.page_size
+        full = (seq.num_tokens - 1) // self.page_size
         return self.pages.cached_prefix(seq.keys(full, self.page_size))
 
     def _room(self, rows: list[PrefillRow], budget: int) -> int:

@@ -203,6 +203,10 @@ def test_bad_prompts_are_refused_before_any_device_work(tiny_llama):
         sj.generate(model, [], GREEDY)
     with pytest.raises(ValueError, match="outside"):
         sj.generate(model, [1, 500], GREEDY)
+    with pytest.raises(ValueError, match=r"\[-1\] outside"):
+        sj.generate(model, np.array([3, -1]), GREEDY)
+    with pytest.raises(ValueError, match=r"\[1267650600228229401496703205376\] outside"):
+        sj.generate(model, [2, 2**100], GREEDY)  # past int64: said, not overflowed
     with pytest.raises(ValueError, match="positions"):
         sj.generate(model, [1] * 500, sj.SamplingParams(max_tokens=100))
     assert model.slot_pool.in_use == 0
