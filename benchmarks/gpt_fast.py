@@ -9,8 +9,11 @@ layer, K and V [B, K, S, H] (gpt-fast's layout: attention reads it with no trans
 written with ``index_copy_`` at the input's slots, attention by
 ``scaled_dot_product_attention`` under a mask over the whole static cache. On CUDA the decode
 step (greedy argmax inside) is ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA
-graphs) and runs the math SDPA backend, which inductor fuses, as gpt-fast's decode does;
-prefill is compiled with dynamic shapes. On the CPU nothing is compiled (tests only).
+graphs); its attention is written out (bf16 products, an fp32 softmax, as HF's eager
+attention), which inductor fuses, as gpt-fast's decode fuses the math SDPA backend (torch 2.11's
+math backend computes bf16 inputs in fp32: a bs=64 step read its cache as fp32 copies, 63 ms
+against 8.9). Prefill is compiled with dynamic shapes and runs SDPA. On the CPU nothing is
+compiled (tests only).
 
 Static batches: a batch's prompts are left-padded to its longest and share the cache slots;
 row b's token at slot s has RoPE position s - pad[b] and attends to slots pad[b]..s (a pad
@@ -23,7 +26,6 @@ imports this module.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,7 +96,12 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     g = n // kv
     q = q.view(b, t, kv, g, h).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
     mask = mask[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    out = F.scaled_dot_product_attention(q, k, v, mask)
+    if t == 1:  # decode: written out, for inductor to fuse (the module docstring says why)
+        scores = (q @ k.transpose(-1, -2)) * h**-0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, mask)
     return out.view(b, kv, g, t, h).permute(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
@@ -231,14 +238,6 @@ class Runner:
         decode = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True)
         return cls(model, torch.compile(prefill, dynamic=True, fullgraph=True), decode)
 
-    def decode_context(self) -> contextlib.AbstractContextManager:
-        """The math SDPA backend on CUDA: inductor fuses it into the decode graph."""
-        if self.model.embed.device.type != "cuda":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.MATH])
-
 
 def generate(
     runner: Runner,
@@ -271,11 +270,10 @@ def generate(
         token = runner.prefill(model, ids, torch.arange(width, device=device), pads).clone()
         clock.lap("prefill_s")
         tokens, pos = [token], torch.tensor([width], device=device)
-        with runner.decode_context():
-            for _ in range(new_tokens - 1):
-                token = runner.decode(model, token, pos, pads).clone()  # outlives the graph
-                tokens.append(token)
-                pos += 1
+        for _ in range(new_tokens - 1):
+            token = runner.decode(model, token, pos, pads).clone()  # outlives the graph
+            tokens.append(token)
+            pos += 1
         out = torch.cat(tokens, dim=1)[: len(prompts)].tolist()
         clock.lap("decode_s")
     return out
@@ -325,8 +323,7 @@ def decode_step_seconds(
             state["token"] = runner.decode(model, state["token"], pos, pads).clone()
             pos.add_(1)
 
-        with runner.decode_context():
-            return torch_median_seconds(step, warmup=WARMUP_TOKENS, iters=steps)
+        return torch_median_seconds(step, warmup=WARMUP_TOKENS, iters=steps)
 
 
 def static_batches(
