@@ -305,10 +305,12 @@ def run_level(
     concurrency: int,
     profile_steps: tuple[int, int] | None = None,
     python_tracer: bool = True,
+    every_ttft: bool = False,
 ) -> dict:
     """Closed-loop clients: ``concurrency`` requests in flight until all have finished.
     ``profile_steps`` (first, count): those engine steps are traced (``device_idle``), the
-    host's Python calls too if ``python_tracer``."""
+    host's Python calls too if ``python_tracer``. ``every_ttft``: each request's TTFT too, in
+    submission order (``ttft_ms``: where a percentile falls, wave by wave)."""
     import spark_jax as sj
 
     queue = list(requests)
@@ -345,6 +347,9 @@ def run_level(
     if trace_dir and steps < profile_steps[0] + profile_steps[1]:
         jax.profiler.stop_trace()  # the level ended first: its figures stay out (below)
     level = summary(done, time.perf_counter() - start, concurrency)
+    if every_ttft:
+        ordered = sorted(done, key=lambda r: r["submit"])
+        level["ttft_ms"] = [round((r["first"] - r["submit"]) * 1e3, 2) for r in ordered]
     level |= steady_state(emitted, done)
     level["engine_steps"] = steps
     level["host_cpu_ms_per_step"] = host_cpu / steps * 1e3
@@ -751,13 +756,13 @@ def run(
     report.details["metrics"] = dataclasses.asdict(engine.metrics())
     shared = shared_prefix_workload(plan)
     engine.num_scheduler_steps = plan.shared_num_scheduler_steps
-    on = run_level(engine, shared, plan.shared_concurrency)
+    on = run_level(engine, shared, plan.shared_concurrency, every_ttft=True)
     progress("shared prefix, cache on", on)
     del engine  # its page pool, before the second engine takes one of its own
     gc.collect()
     engine, _ = build_engine(plan, enable_prefix_caching=False)
     engine.num_scheduler_steps = plan.shared_num_scheduler_steps
-    off = run_level(engine, shared, plan.shared_concurrency)
+    off = run_level(engine, shared, plan.shared_concurrency, every_ttft=True)
     progress("shared prefix, cache off", off)
     for name, level in (("on", on), ("off", off)):
         level.pop("lengths")

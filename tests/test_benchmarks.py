@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +48,11 @@ def test_serving(tmp_path: Path) -> None:
     line = run_suite("serving", tmp_path, "--no-peer")
     assert {"c1_tok_s", "c8_tok_s", "c1_steady_tok_s", "c8_steady_tok_s"} <= line["figures"].keys()
     assert {"bare_decode_bs1_ms", "bare_decode_bs8_ms"} <= line["peers"].keys()
+    for cache in ("on", "off"):  # each request's TTFT, whose median the figure is
+        level = line["details"][f"shared_prefix_cache_{cache}"]
+        assert len(level["ttft_ms"]) == level["requests"]
+        median = float(np.median(level["ttft_ms"]))
+        assert median == pytest.approx(level["ttft_s"]["p50"] * 1e3, abs=0.01)
 
 
 def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
