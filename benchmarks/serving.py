@@ -464,20 +464,21 @@ def device_idle(trace_dir: str) -> dict[str, Any]:
 
 def merged_gaps(
     spans: list[tuple[int, int, str]],
-) -> tuple[float, list[tuple[int, int]], float]:
+) -> tuple[float, list[tuple[int, int]], list[tuple[int, int, str, str]]]:
     """Kernels (start, end, program) of every stream merged: (the time some kernel runs, the
-    gaps between, the time of the gaps between two programs' kernels). A gap between the
-    program whose kernel ended last before it and another's after it is the device waiting
-    for the host between steps; one inside a program is between its kernels (launch gaps,
-    which tracing every kernel lengthens)."""
+    gaps between, the gaps between two programs' kernels with the programs: (start, end,
+    before, after)). A gap between the program whose kernel ended last before it and another's
+    after it is the device waiting for the host between steps; one inside a program is
+    between its kernels (launch gaps, which tracing every kernel lengthens)."""
     spans = sorted(spans)
-    gaps, busy, between = [], 0.0, 0.0
+    gaps, busy, between = [], 0.0, []
     lo, hi, last = spans[0]
     for a, b, program in spans[1:]:
         if a > hi:
             busy += hi - lo
             gaps.append((hi, a))
-            between += (a - hi) * (program != last)
+            if program != last:
+                between.append((hi, a, last, program))
             lo = a
         if b >= hi:
             hi, last = b, program
@@ -507,32 +508,67 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         return {"error": "no device events in the trace (a CPU backend)"}
     busy, gaps, between = merged_gaps(spans)
     total = max(b for _, b, _ in spans) - min(a for a, _, _ in spans)
+    changes = collections.Counter()  # the idle between programs by (before, after)
+    for a, b, before, after in between:
+        changes[f"{before[:40]} -> {after[:40]}"] += b - a
     top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
-    during, gap_starts = collections.Counter(), [a for a, _ in gaps]
+    origin = min(a for a, _, _ in spans)
+    runs = program_runs(spans, origin)
+    calls = [  # the host's dispatches, when few (a short trace: a wave's steps)
+        (name, round((a - origin) / 1e6, 3), round((b - a) / 1e6, 3))
+        for a, b, name in sorted(host)
+        if name.startswith("PjitFunction")
+    ]
     host_total = collections.Counter()  # whatever the device did meanwhile
     for start, end, name in host:
         host_total[name[:100]] += end - start
-        i = max(bisect.bisect_right(gap_starts, start) - 1, 0)  # the gaps are sorted, disjoint
-        while i < len(gaps) and gaps[i][0] < end:
-            a, b = gaps[i]
-            if start < b:
-                during[name[:100]] += min(b, end) - max(a, start)
-            i += 1
+    during = _host_during(host, gaps)
+    during_between = _host_during(host, [(a, b) for a, b, _, _ in between])
     return {
         "span_ms": total / 1e6,
         "busy_ms": busy / 1e6,
         "idle_fraction": 1 - busy / total,
-        "idle_between_programs_fraction": between / total,
+        "idle_between_programs_fraction": sum(b - a for a, b, _, _ in between) / total,
+        "between_programs_ms": {n: ns / 1e6 for n, ns in changes.most_common(12)},
         "gaps": len(gaps),
         "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
         "programs_ms": {n: ns / 1e6 for n, ns in modules.most_common(12)},
         "host_during_idle_ms": {n: ns / 1e6 for n, ns in during.most_common(40)},
+        "host_between_programs_ms": {n: ns / 1e6 for n, ns in during_between.most_common(20)},
         # A host function long here but short above waited on the device (a blocking read,
         # or a donated buffer that a queued program still reads).
         "host_total_ms": {n: ns / 1e6 for n, ns in host_total.most_common(40)},
         "host_lines": dict(host_lines.most_common(12)),
-    }
+    } | ({"program_runs": runs, "host_calls": calls} if len(runs) <= 64 else {})
+
+
+def program_runs(spans: list[tuple[int, int, str]], origin: int) -> list[tuple[str, float, float]]:
+    """The programs in the order they ran, each run of one program's kernels as (program,
+    its first kernel's start, its last kernel's end), in ms from ``origin``."""
+    runs: list[list] = []
+    for a, b, program in sorted(spans):
+        if runs and runs[-1][0] == program:
+            runs[-1][2] = max(runs[-1][2], b)
+        else:
+            runs.append([program, a, b])
+    return [(p, round((a - origin) / 1e6, 3), round((b - origin) / 1e6, 3)) for p, a, b in runs]
+
+
+def _host_during(
+    host: list[tuple[int, int, str]], gaps: list[tuple[int, int]]
+) -> collections.Counter:
+    """Each host function's time overlapping ``gaps`` (sorted, disjoint), nested calls
+    counted in each of their callers."""
+    during, starts = collections.Counter(), [a for a, _ in gaps]
+    for start, end, name in host:
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(gaps) and gaps[i][0] < end:
+            a, b = gaps[i]
+            if start < b:
+                during[name[:100]] += min(b, end) - max(a, start)
+            i += 1
+    return during
 
 
 # ---------------------------------------------------------------------------------------------

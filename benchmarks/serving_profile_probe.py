@@ -153,8 +153,8 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
     prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
     submitted together, each of its first ``steps`` engine steps timed on the host (when
-    the first tokens come out), then the same wave again under the profiler, the host's
-    Python calls traced (what the host does while the device waits)."""
+    the first tokens come out), then the same wave again under the profiler: the programs'
+    runs on the device against the host's dispatches."""
     import spark_jax as sj
 
     shared = shared_prefix_workload(plan)
@@ -177,7 +177,9 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
         )
     while engine.has_unfinished():
         engine.step()
-    trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=True)
+    # The host's Python untraced: its dispatches (``host_calls``) against the programs'
+    # runs on the device (``program_runs``), in ms from the first kernel.
+    trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=False)
     print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
 
 

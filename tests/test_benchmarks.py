@@ -113,10 +113,11 @@ def test_device_idle_tells_gaps_between_programs_from_gaps_inside_one() -> None:
 
     spans = [(0, 10, "a"), (12, 20, "a"), (25, 30, "b"), (28, 40, "b"), (50, 60, "a")]
     busy, gaps, between = merged_gaps(spans)
-    assert (busy, gaps, between) == (43, [(10, 12), (20, 25), (40, 50)], 15)
+    assert (busy, gaps) == (43, [(10, 12), (20, 25), (40, 50)])
+    assert between == [(20, 25, "a", "b"), (40, 50, "b", "a")]
     # A long kernel of a on one stream hides b's short one on another: a ended last.
     busy, gaps, between = merged_gaps([(0, 100, "a"), (10, 20, "b"), (110, 120, "a")])
-    assert (busy, gaps, between) == (110, [(100, 110)], 0)
+    assert (busy, gaps, between) == (110, [(100, 110)], [])
 
 
 def test_the_closed_loops_floor_is_its_longest_chain_of_requests() -> None:
