@@ -113,7 +113,10 @@ class Plan:
     engine_slots: int = 256
     page_size: int = 16
     max_batch_tokens: int = 1024
-    max_prefill_seqs: int = 4
+    # Prompts a prefill batch: the engine's default. A wave of 8 cached requests then prefills
+    # in one batch (the shared-prefix level's TTFT p50 25.4 ms on an H100, all 8 together,
+    # against two batches of 4 at 18-20 and 26-28 ms); C=64 unchanged within noise.
+    max_prefill_seqs: int = 8
     # The prefill ladder starts at 128 tokens: a short chunk (a question after a cached prefix,
     # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
     min_chunk: int = 128
