@@ -120,6 +120,19 @@ def test_device_idle_tells_gaps_between_programs_from_gaps_inside_one() -> None:
     assert (busy, gaps, between) == (110, [(100, 110)], [])
 
 
+def test_a_short_trace_lists_program_runs_and_what_the_host_did_between() -> None:
+    """Each run of one program's kernels once, in the order they ran; the host's time inside
+    a gap counted for every function it was in, and nothing outside the gaps."""
+    from benchmarks.serving import _host_during, program_runs
+
+    spans = [(1_000_000, 3_000_000, "a"), (2_000_000, 4_000_000, "a"), (6_000_000, 7_000_000, "b")]
+    spans.append((7_500_000, 8_000_000, "a"))
+    assert program_runs(spans, 1_000_000) == [("a", 0.0, 3.0), ("b", 5.0, 6.0), ("a", 6.5, 7.0)]
+    host = [(3_000_000, 5_000_000, "dispatch"), (4_500_000, 6_500_000, "read")]
+    during = _host_during(host, [(4_000_000, 6_000_000)])
+    assert during == {"dispatch": 1_000_000, "read": 1_500_000}
+
+
 def test_the_closed_loops_floor_is_its_longest_chain_of_requests() -> None:
     """Two clients: the first two requests start together, the third when the first ends
     (a step for its prompt, one a token); the level ends with the longest chain."""
