@@ -517,11 +517,14 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     top = {name: ns / 1e6 for name, ns in by_name.most_common(12)}  # where the time goes
     origin = min(a for a, _, _ in spans)
     runs = program_runs(spans, origin)
-    calls = [  # the host's dispatches, when few (a short trace: a wave's steps)
-        (name, round((a - origin) / 1e6, 3), round((b - a) / 1e6, 3))
-        for a, b, name in sorted(host)
-        if name.startswith("PjitFunction")
-    ]
+    short = {}  # a short trace (a wave's steps): the programs' runs and the host's dispatches
+    if len(runs) <= 64:
+        calls = [
+            (name, round((a - origin) / 1e6, 3), round((b - a) / 1e6, 3))
+            for a, b, name in sorted(host)
+            if name.startswith("PjitFunction")
+        ]
+        short = {"program_runs": runs, "host_calls": calls}
     host_total = collections.Counter()  # whatever the device did meanwhile
     for start, end, name in host:
         host_total[name[:100]] += end - start
@@ -543,7 +546,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         # or a donated buffer that a queued program still reads).
         "host_total_ms": {n: ns / 1e6 for n, ns in host_total.most_common(40)},
         "host_lines": dict(host_lines.most_common(12)),
-    } | ({"program_runs": runs, "host_calls": calls} if len(runs) <= 64 else {})
+    } | short
 
 
 def program_runs(spans: list[tuple[int, int, str]], origin: int) -> list[tuple[str, float, float]]:
