@@ -121,6 +121,7 @@ class Plan:
     # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
     min_chunk: int = 128
     min_decode_pages: int = 32
+    prefill_sizes: tuple[int, ...] | None = None  # the engine's prefill ladder (None: default)
     num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
     shared_num_scheduler_steps: int = 1  # the same, for the shared-prefix TTFT comparison
     ragged_prefill: bool = True  # prefill batches ragged (``--prefill-batches``)
@@ -151,6 +152,8 @@ class Plan:
             if self.gpu_memory_utilization is None
             else {"gpu_memory_utilization": self.gpu_memory_utilization}
         )
+        if self.prefill_sizes is not None:
+            pool["prefill_sizes"] = self.prefill_sizes
         return pool | dict(
             max_num_seqs=self.engine_slots,
             max_batch_tokens=self.max_batch_tokens,

@@ -115,7 +115,7 @@ MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
 DECODER_ONLY_OPTIONS = ("max_batch_tokens", "kv_pages", "page_size", "min_chunk")
 DECODER_ONLY_OPTIONS += ("min_decode_pages", "decode_widths", "gpu_memory_utilization")
 DECODER_ONLY_OPTIONS += ("max_num_batched_tokens", "num_scheduler_steps", "ragged_prefill")
-DECODER_ONLY_OPTIONS += ("mixed_batches",)
+DECODER_ONLY_OPTIONS += ("mixed_batches", "prefill_sizes")
 
 log = logging.getLogger("spark_jax.serving")
 ENCODER_DECODER_OPTIONS = ("max_source_len", "max_num_beams")
@@ -200,6 +200,11 @@ class Engine:
     min_chunk, min_decode_pages: the lowest rungs of the prefill-length and block-table
         ladders; raising them trades padding for fewer compiles (each costs ~25 s for an
         unrolled 8B model on the H200).
+    prefill_sizes: the token counts a prefill batch is padded to, one program each (a ragged
+        batch's total, a [B, T] batch's chunk), ending at ``max_batch_tokens``; default: the
+        ladder from ``min_chunk`` (powers of two, and every eighth of ``max_batch_tokens``
+        when ragged). A finer ladder computes less padding at the price of more compiles,
+        as ``decode_widths`` does for decode steps.
     num_scheduler_steps: decode steps per device call (vLLM's multi-step scheduling; default
         1). With more, a step that only decodes runs that many steps in one call when no
         row is guided, speculative, adapted or asks for top-k / top-p / top logprobs, and
@@ -251,6 +256,7 @@ class Engine:
         min_chunk: int | None = None,
         min_decode_pages: int | None = None,
         decode_widths: Sequence[int] | None = None,
+        prefill_sizes: Sequence[int] | None = None,
         enable_prefix_caching: bool | None = None,
         gpu_memory_utilization: float | None = None,
         max_num_batched_tokens: int | None = None,
@@ -264,7 +270,7 @@ class Engine:
         options = dict(
             max_batch_tokens=max_batch_tokens, kv_pages=kv_pages, page_size=page_size,
             min_chunk=min_chunk, min_decode_pages=min_decode_pages, decode_widths=decode_widths,
-            gpu_memory_utilization=gpu_memory_utilization,
+            prefill_sizes=prefill_sizes, gpu_memory_utilization=gpu_memory_utilization,
             max_num_batched_tokens=max_num_batched_tokens,
             max_source_len=max_source_len, max_num_beams=max_num_beams,
             num_scheduler_steps=num_scheduler_steps, ragged_prefill=ragged_prefill,
@@ -311,6 +317,7 @@ class Engine:
                 min_chunk or MIN_CHUNK,
                 min_decode_pages or MIN_DECODE_PAGES,
                 decode_widths,
+                prefill_sizes,
                 gpu_memory_utilization,
                 max_num_batched_tokens,
                 num_scheduler_steps or 1,
@@ -342,6 +349,7 @@ class Engine:
         min_chunk: int,
         min_decode_pages: int,
         decode_widths: Sequence[int] | None,
+        prefill_sizes: Sequence[int] | None,
         gpu_memory_utilization: float | None,
         max_num_batched_tokens: int | None,
         num_scheduler_steps: int,
@@ -395,7 +403,7 @@ class Engine:
             page_size,
             ChunkBudget(
                 max_batch_tokens,
-                (ragged_ladder if ragged_prefill else pow2_ladder)(min_chunk, max_batch_tokens),
+                _prefill_ladder(prefill_sizes, ragged_prefill, min_chunk, max_batch_tokens),
                 ragged_prefill,
                 mixed,
             ),
@@ -886,6 +894,22 @@ class Engine:
             )
             if self._drafter is not None:
                 self._drafter.warm()
+
+
+def _prefill_ladder(
+    sizes: Sequence[int] | None, ragged: bool, min_chunk: int, max_batch_tokens: int
+) -> list[int]:
+    """The token counts a prefill batch pads to: ``sizes`` (checked), else the default ladder
+    from ``min_chunk`` to ``max_batch_tokens`` (``ragged_ladder`` for ragged batches)."""
+    if sizes is None:
+        return (ragged_ladder if ragged else pow2_ladder)(min_chunk, max_batch_tokens)
+    ladder = sorted({int(n) for n in sizes})
+    if not ladder or ladder[0] < 1 or ladder[-1] != max_batch_tokens:
+        raise ValueError(
+            f"prefill_sizes must be positive and end at max_batch_tokens={max_batch_tokens}, "
+            f"got {list(sizes)}."
+        )
+    return ladder
 
 
 def _check_mixed_batches(

@@ -151,13 +151,16 @@ def test_padded_and_ragged_prefill_give_the_same_tokens_and_never_compile_after_
     with the decode rows riding in them) through an engine whose prefill batches are [B, T]
     or ragged with no decode row in them: the same tokens (each request's alone), no compile
     after warm-up, nothing leaked; ragged, every batch of the top row count and a total on
-    the ragged ladder."""
+    the ladder it was given (``prefill_sizes``, not the default's eighths)."""
     _, model = tiny_llama
     prompts, params, results = (x[:40] for x in invariance_run[:3])
+    sizes = (24, 40, 64, 88, 128)
     option = {"ragged_prefill": False} if batches == "padded" else {"mixed_batches": False}
+    if batches == "ragged":
+        option["prefill_sizes"] = sizes
     other = Engine(model, max_num_seqs=16, max_batch_tokens=128, page_size=16, **option)
     if batches == "ragged":
-        assert other.prefill_shapes() == [(8, t) for t in (16, 32, 48, 64, 80, 96, 112, 128)]
+        assert other.prefill_shapes() == [(8, t) for t in sizes]
     other.warmup()
     shapes = []
     run = other.executor.run
@@ -175,7 +178,7 @@ def test_padded_and_ragged_prefill_give_the_same_tokens_and_never_compile_after_
     assert counter.count == 0
     assert other.executor.num_mixed_steps == 0
     if batches == "ragged":
-        assert shapes and all(rows == 8 and real <= n <= 128 for rows, n, real in shapes)
+        assert shapes and all(rows == 8 and real <= n in sizes for rows, n, real in shapes)
         assert any(n - real < 16 < real for _, n, real in shapes)  # totals, not rows, padded
     assert other.pages_in_use == 0 and other.slots_in_use == 0
 
@@ -540,6 +543,8 @@ def test_a_step_budget_or_decode_widths_that_cannot_work_are_refused(tiny_llama)
         Engine(model, max_num_seqs=8, max_num_batched_tokens=20)
     with pytest.raises(ValueError, match="decode_widths must be positive and end at"):
         Engine(model, max_num_seqs=8, decode_widths=[1, 4])
+    with pytest.raises(ValueError, match="prefill_sizes must be positive and end at"):
+        Engine(model, max_num_seqs=8, max_batch_tokens=64, prefill_sizes=[16, 48])
     # Mixed batches where they do not apply: asked for, refused; by default, left off.
     with pytest.raises(ValueError, match="max_batch_tokens=32 leaves no room"):
         Engine(model, max_num_seqs=32, max_batch_tokens=32, mixed_batches=True)
