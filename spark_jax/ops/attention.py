@@ -186,6 +186,8 @@ def cache_attention(
         return pallas_paged_attention(q, k_cache, v_cache, slots, mask, options=options)
     if kernel == "cudnn":
         return cudnn_paged_decode_attention(q, k_cache, v_cache, slots, mask)
+    if kernel == "flash":
+        return pallas_paged_prefill_attention(q, k_cache, v_cache, slots, mask)
     keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
     return attention(q, keys, values, mask, sliding_window, options=options)
 
@@ -197,8 +199,9 @@ def paged_kernel(
     options: KernelOptions = KernelOptions(),
 ) -> str | None:
     """The kernel that reads a paged cache in place for ``cache_attention`` of ``q``:
-    "cudnn", "pallas", or None where the rows are gathered first (not a paged cache, or no
-    kernel takes the call).
+    "cudnn", "pallas", "flash" (our flash kernel for a chunk of queries, as a prefill over
+    gathered rows runs it), or None where the rows are gathered first (not a paged cache, or
+    no kernel takes the call).
 
     ``implementation="pallas"`` takes our paged kernels wherever they run, "cudnn" cuDNN's
     paged decode attention. The default dispatch takes cuDNN's where it applies and, for a
@@ -206,6 +209,9 @@ def paged_kernel(
     table-width pages, which an 80 GB H100's pool beside Llama-3-8B is not at 256 rows. There
     the gathered rows made the engine's 256-row decode step 39.1 ms against our kernel's
     12.7; at 64 and 128 rows cuDNN's was the faster (7.26 / 8.52 ms against 7.79 / 9.51).
+    A chunk of queries (the engine's prefills, which append to their rows' pages) on Hopper
+    takes the flash kernel over the pages in place under ``options.flash_prefill``, where it
+    would otherwise run over a gathered copy of every row's pages.
     """
     if not isinstance(k_cache, PagedLayer):
         return None
@@ -223,6 +229,13 @@ def paged_kernel(
         and pallas_paged_applies(q, k_cache, sliding_window)
     ):
         return "pallas"
+    if (
+        implementation is None
+        and options.flash_prefill
+        and _pallas_compiles(q)
+        and pallas_paged_prefill_applies(q, k_cache, sliding_window)
+    ):
+        return "flash"
     return None
 
 
@@ -364,22 +377,89 @@ def pallas_prefill_attention(
     """
     from pallas_kernels.flash_attention import flash_attention, prefill_tuning
 
-    t = q.shape[1]
     interpret = jax.default_backend() != "gpu"
-    if mask.causal:
-        query_lengths = jnp.clip(mask.key_lengths - mask.query_positions[:, 0], 0, t)
-    else:
-        query_lengths = jnp.full_like(mask.key_lengths, t)
     return flash_attention(
         q,
         k,
         v,
-        query_lengths,
+        _flash_query_lengths(mask, q.shape[1]),
         mask.key_lengths,
         causal=mask.causal,
         scale=scale,
         interpret=interpret,
         **prefill_tuning(q, k, interpret),
+    )
+
+
+def _flash_query_lengths(mask: AttentionMask, t: int) -> jax.Array:
+    """The flash kernel's real queries per row of a model's mask (``pallas_prefill_attention``)."""
+    if mask.causal:
+        return jnp.clip(mask.key_lengths - mask.query_positions[:, 0], 0, t)
+    return jnp.full_like(mask.key_lengths, t)
+
+
+def _paged_rows(q: jax.Array, k_cache: PagedLayer) -> jax.ShapeDtypeStruct:
+    """The [B, S, K, H] rows the flash kernel sees in a page pool read in place: the block
+    table's pages, in whole key blocks (``flash_attention`` with ``block_table``)."""
+    from pallas_kernels.flash_attention import default_block_k
+
+    pages, width = k_cache.pages, k_cache.block_table.shape[1]
+    keys = width * k_cache.page_size
+    block_k = default_block_k(q.shape[3], keys)
+    keys = -(-keys // block_k) * block_k
+    return jax.ShapeDtypeStruct((q.shape[0], keys, *pages.shape[2:]), pages.dtype)
+
+
+def pallas_paged_prefill_applies(
+    q: jax.Array | jax.ShapeDtypeStruct, k_cache: PagedLayer, sliding_window: int | None
+) -> bool:
+    """True where the flash kernel reads a page pool in place for a chunk of queries (T > 1):
+    its constraints over the rows the pages make up, with pages a multiple of 8 keys that
+    divide its key blocks; bf16/f16 on Hopper, or the CPU interpreter."""
+    from pallas_kernels.flash_attention import (
+        default_block_k,
+        flash_attention_applies,
+        prefill_tuning,
+    )
+
+    if q.shape[1] < 2 or sliding_window is not None or not _pallas_runs(q):
+        return False
+    rows = _paged_rows(q, k_cache)
+    interpret = jax.default_backend() != "gpu"
+    tuned = prefill_tuning(q, rows, interpret).get("block_k")
+    block_k = tuned or default_block_k(q.shape[3], rows.shape[1])
+    page = k_cache.page_size
+    return (
+        flash_attention_applies(q, rows, block_k=block_k) and page % 8 == 0 and block_k % page == 0
+    )
+
+
+def pallas_paged_prefill_attention(
+    q: jax.Array,
+    k_cache: PagedLayer,
+    v_cache: PagedLayer,
+    slots: jax.Array | None,
+    mask: AttentionMask,
+    scale: float | None = None,
+) -> jax.Array:
+    """q [B,T,N,H], a chunk of queries per row, over the pages of rows ``slots`` with the flash
+    kernel reading the pool in place (a TMA copy per page into each key block): the gather of
+    every row's pages into a dense copy, which the kernel would then read again, is skipped.
+    The same kernel and tuning as ``pallas_prefill_attention`` over the gathered rows."""
+    from pallas_kernels.flash_attention import flash_attention, prefill_tuning
+
+    interpret = jax.default_backend() != "gpu"
+    return flash_attention(
+        q,
+        k_cache.pages,
+        v_cache.pages,
+        _flash_query_lengths(mask, q.shape[1]),
+        mask.key_lengths,
+        causal=mask.causal,
+        scale=scale,
+        block_table=k_cache.table_rows(slots),
+        interpret=interpret,
+        **prefill_tuning(q, _paged_rows(q, k_cache), interpret),
     )
 
 

@@ -177,6 +177,64 @@ def test_dispatch_runs_the_flash_kernel_for_prefill_where_it_compiles(monkeypatc
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+@pytest.mark.parametrize("page_size, width", [(8, 24), (16, 9)])
+def test_a_chunk_of_queries_reads_the_pages_in_place_with_the_flash_kernel(
+    monkeypatch, page_size, width
+):
+    """Where our kernels compile (patched here, the kernel interpreted), ``cache_attention`` of
+    a chunk of queries over a paged cache (the engine's prefill, appending to its rows) runs
+    the flash kernel over the pool in place, rows of a few keys to many pages among them,
+    and gives the gather + reference's output on every real query; ``flash_prefill=False``
+    gathers."""
+    q, k, v, mask = _paged_inputs(
+        13, b=4, n=8, kv_heads=2, h=64, page_size=page_size, num_pages=96, width=width
+    )  # fmt: skip
+    t = 64
+    q = jnp.asarray(np.random.default_rng(14).standard_normal((4, t, 8, 64)), jnp.float32)
+    lengths = mask.key_lengths.at[0].set(20)  # a row shorter than the chunk
+    starts = jnp.maximum(lengths - t, 0)
+    mask = AttentionMask(starts[:, None] + jnp.arange(t, dtype=jnp.int32), lengths)
+    assert att.paged_kernel(q, k) is None  # off Hopper: the gather
+    monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
+    assert att.paged_kernel(q, k) == "flash"
+    assert att.paged_kernel(q, k, options=KernelOptions(flash_prefill=False)) is None
+    assert att.paged_kernel(q[:, :48], k) is None  # not whole query blocks
+    out = att.cache_attention(q, k, v, None, mask)
+    ref = reference_attention(q, k.read(None), v.read(None), mask)
+    real = np.arange(t)[None, :] < np.asarray(mask.key_lengths - starts)[:, None]
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("t", [576, 640])
+def test_a_prefill_chunk_over_pages_in_place_equals_the_kernel_over_gathered_rows_on_gpu(t):
+    """Llama-3-8B's heads, a cached wave's prefill: 8 rows of 72 new queries after ~1 000
+    cached keys in 16-key pages (128-page table), padded to the ragged batch's ``t``. The
+    flash kernel over the pages in place gives what it gives over the gathered rows, and
+    both are near the f32 reference."""
+    from spark_jax.ops.kv_cache import PagedLayer
+
+    rng = np.random.default_rng(17)
+    table = jnp.asarray(rng.permutation(8 * 128).reshape(8, 128), jnp.int32)  # all owned
+    pool = lambda: jnp.asarray(rng.standard_normal((8 * 128, 16, 8, 128)), jnp.bfloat16)  # noqa: E731
+    k, v = PagedLayer(pool(), table), PagedLayer(pool(), table)
+    lengths = jnp.full((8,), 1072, jnp.int32)
+    starts = lengths - 72
+    q = jnp.asarray(np.random.default_rng(18).standard_normal((8, t, 32, 128)), jnp.bfloat16)
+    mask = AttentionMask(starts[:, None] + jnp.arange(t, dtype=jnp.int32), lengths)
+    assert att.paged_kernel(q, k) == "flash"
+    out = att.cache_attention(q, k, v, None, mask)
+    gathered = att.attention(q, k.read(None), v.read(None), mask)
+    f32 = lambda x: np.asarray(x[:, :72].astype(jnp.float32))  # noqa: E731
+    np.testing.assert_array_equal(f32(out), f32(gathered))
+    ref = reference_attention(
+        *(x.astype(jnp.float32) for x in (q, k.read(None), v.read(None))), mask
+    )
+    rel = np.linalg.norm(f32(out) - f32(ref)) / np.linalg.norm(f32(ref))
+    assert rel < 1e-2
+
+
 def test_options_implementation_forces_a_path_for_that_call_only():
     q, k, v, mask = _inputs(6, 2, 1, 8, 2, 16, 64)
     np.testing.assert_array_equal(
