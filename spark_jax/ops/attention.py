@@ -210,8 +210,8 @@ def paged_kernel(
     the gathered rows made the engine's 256-row decode step 39.1 ms against our kernel's
     12.7; at 64 and 128 rows cuDNN's was the faster (7.26 / 8.52 ms against 7.79 / 9.51).
     A chunk of queries (the engine's prefills, which append to their rows' pages) on Hopper
-    takes the flash kernel over the pages in place under ``options.flash_prefill``, where it
-    would otherwise run over a gathered copy of every row's pages.
+    takes the flash kernel over the pages in place under ``options.paged_flash_prefill``,
+    where it would otherwise run over a gathered copy of every row's pages.
     """
     if not isinstance(k_cache, PagedLayer):
         return None
@@ -232,6 +232,7 @@ def paged_kernel(
     if (
         implementation is None
         and options.flash_prefill
+        and options.paged_flash_prefill
         and _pallas_compiles(q)
         and pallas_paged_prefill_applies(q, k_cache, sliding_window)
     ):

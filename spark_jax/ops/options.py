@@ -29,6 +29,11 @@ class KernelOptions:
     configuration (one compiled copy for all layers) an 8B engine's warm-up stays ~32 s.
     False keeps XLA's reference for prefill.
 
+    ``paged_flash_prefill``: with ``flash_prefill``, a chunk of queries over a paged cache (the
+    engine's prefills, which append to their rows' pages) runs the flash kernel over the pool
+    in place (a TMA copy per page into each key block) instead of over a copy of every row's
+    pages gathered first. Off until measured on the GPU: ``benchmarks/paged_prefill_probe.py``.
+
     ``flash_decode_min_programs``: a one-token step with at least this many (row, kv head)
     programs walks its keys through the flash kernel (B=64, K=8: 2.55-4.17 TB/s against the
     split-K kernel's 1.42-2.92); fewer leave SMs idle (B=1, K=8: 0.07-0.11 TB/s against
@@ -70,6 +75,7 @@ class KernelOptions:
 
     implementation: str | None = None
     flash_prefill: bool = True
+    paged_flash_prefill: bool = False
     flash_decode_min_programs: int = 256
     one_query_max_keys: int = 256
     paged_walk_stages: int = 3

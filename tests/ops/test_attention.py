@@ -184,8 +184,8 @@ def test_a_chunk_of_queries_reads_the_pages_in_place_with_the_flash_kernel(
     """Where our kernels compile (patched here, the kernel interpreted), ``cache_attention`` of
     a chunk of queries over a paged cache (the engine's prefill, appending to its rows) runs
     the flash kernel over the pool in place, rows of a few keys to many pages among them,
-    and gives the gather + reference's output on every real query; ``flash_prefill=False``
-    gathers."""
+    and gives the gather + reference's output on every real query; without
+    ``paged_flash_prefill``, or with ``flash_prefill=False``, it gathers."""
     q, k, v, mask = _paged_inputs(
         13, b=4, n=8, kv_heads=2, h=64, page_size=page_size, num_pages=96, width=width
     )  # fmt: skip
@@ -194,12 +194,15 @@ def test_a_chunk_of_queries_reads_the_pages_in_place_with_the_flash_kernel(
     lengths = mask.key_lengths.at[0].set(20)  # a row shorter than the chunk
     starts = jnp.maximum(lengths - t, 0)
     mask = AttentionMask(starts[:, None] + jnp.arange(t, dtype=jnp.int32), lengths)
-    assert att.paged_kernel(q, k) is None  # off Hopper: the gather
+    paged = KernelOptions(paged_flash_prefill=True)
+    assert att.paged_kernel(q, k, options=paged) is None  # off Hopper: the gather
     monkeypatch.setattr(att, "_pallas_compiles", lambda q: True)
-    assert att.paged_kernel(q, k) == "flash"
-    assert att.paged_kernel(q, k, options=KernelOptions(flash_prefill=False)) is None
-    assert att.paged_kernel(q[:, :48], k) is None  # not whole query blocks
-    out = att.cache_attention(q, k, v, None, mask)
+    assert att.paged_kernel(q, k, options=paged) == "flash"
+    assert att.paged_kernel(q, k) is None  # not asked for
+    off = KernelOptions(flash_prefill=False, paged_flash_prefill=True)
+    assert att.paged_kernel(q, k, options=off) is None
+    assert att.paged_kernel(q[:, :48], k, options=paged) is None  # not whole query blocks
+    out = att.cache_attention(q, k, v, None, mask, options=paged)
     ref = reference_attention(q, k.read(None), v.read(None), mask)
     real = np.arange(t)[None, :] < np.asarray(mask.key_lengths - starts)[:, None]
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
@@ -223,8 +226,9 @@ def test_a_prefill_chunk_over_pages_in_place_equals_the_kernel_over_gathered_row
     starts = lengths - 72
     q = jnp.asarray(np.random.default_rng(18).standard_normal((8, t, 32, 128)), jnp.bfloat16)
     mask = AttentionMask(starts[:, None] + jnp.arange(t, dtype=jnp.int32), lengths)
-    assert att.paged_kernel(q, k) == "flash"
-    out = att.cache_attention(q, k, v, None, mask)
+    paged = KernelOptions(paged_flash_prefill=True)
+    assert att.paged_kernel(q, k, options=paged) == "flash"
+    out = att.cache_attention(q, k, v, None, mask, options=paged)
     gathered = att.attention(q, k.read(None), v.read(None), mask)
     f32 = lambda x: np.asarray(x[:, :72].astype(jnp.float32))  # noqa: E731
     np.testing.assert_array_equal(f32(out), f32(gathered))
