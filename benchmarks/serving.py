@@ -121,9 +121,9 @@ class Plan:
     # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
     min_chunk: int = 128
     min_decode_pages: int = 32
-    # The engine's prefill ladder (None: its default). The full plan pads a ragged batch to
-    # the next 64 tokens, not the next 128: a cached wave of 8 x 72 new tokens runs 576, not
-    # 640, at 7 more compiles per engine.
+    # The engine's prefill ladder (None: its default, every 128 tokens here). Steps of 64 (a
+    # cached wave of 8 x 72 new tokens at 576, not 640) gave no gain on the H200 in
+    # ``benchmarks/prefill_ladder_probe.py``: a wave's first tokens at ~16 ms either way.
     prefill_sizes: tuple[int, ...] | None = None
     num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
     shared_num_scheduler_steps: int = 1  # the same, for the shared-prefix TTFT comparison
@@ -171,7 +171,7 @@ class Plan:
         )
 
 
-FULL = Plan(LLAMA3_8B, prefill_sizes=tuple(range(128, 1025, 64)))
+FULL = Plan(LLAMA3_8B)
 SMALL = Plan(
     dataclasses.replace(TINY_LLAMA, max_position_embeddings=512),
     requests=24,
