@@ -11,9 +11,10 @@ lookups off (same engine: the comparison of the suite's 4c, not its two engines)
 cached request's TTFT in submission order, and the C=64 level (the suite's requests). The
 ladders take turns (fine first on even repeats, the default first on odd ones): the first
 levels after warm-up ran slower on the H200. Then ``serving_profile_probe.shared_timeline``
-(a wave's steps, traced) and 8 steps at C=64 traced without the Python tracer (one decode
-step per call, as the shared level runs). ``--gather``: the model's prefills read the
-gathered rows (``KernelOptions(paged_flash_prefill=False)``), else the pages in place.
+(a wave's steps, traced) and 8 steps at C=64 traced without the Python tracer (the suite's
+decode steps per call: its item-5 setting; the first form traced one step per call).
+``--gather``: the model's prefills read the gathered rows
+(``KernelOptions(paged_flash_prefill=False)``), else the pages in place.
 With ``$OUT`` set, everything also goes to ``$OUT/prefill_ladder_probe.json``.
 """
 
@@ -89,6 +90,7 @@ def main() -> None:
             out[f"{name}_{rep}"] = row
     engine.scheduler.chunks = dataclasses.replace(chunks, chunk_ladder=ladders["fine"])
     shared_timeline(engine, plan)
+    engine.num_scheduler_steps = plan.num_scheduler_steps  # the suite's C=64 setting again
     traced = level(requests[: 2 * c], c, (c, 8), python_tracer=False)
     out[f"trace_c{c}"] = traced.get("device_idle")
     print(f"C={c} traced:", json.dumps(traced.get("device_idle"), indent=1), flush=True)
