@@ -148,16 +148,14 @@ class Plan:
         """Requests of an HTTP comparison level (and of its direct twin)."""
         return min(self.requests, max(16, 2 * concurrency))
 
-    def engine_kwargs(self) -> dict[str, int | float]:
-        """``sj.Engine`` keyword arguments of this plan's engine."""
-        pool = (
-            {}
-            if self.gpu_memory_utilization is None
-            else {"gpu_memory_utilization": self.gpu_memory_utilization}
-        )
-        if self.prefill_sizes is not None:
-            pool["prefill_sizes"] = self.prefill_sizes
-        return pool | dict(
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``sj.Engine`` keyword arguments of this plan's engine (those left None: left out,
+        the engine's defaults)."""
+        optional = {
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "prefill_sizes": self.prefill_sizes,
+        }
+        return {k: v for k, v in optional.items() if v is not None} | dict(
             max_num_seqs=self.engine_slots,
             max_batch_tokens=self.max_batch_tokens,
             page_size=self.page_size,
