@@ -76,6 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: the plan's, 1024)",
     )
     parser.add_argument(
+        "--prefill-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="T",
+        help="serving: the engine's prefill ladder, token totals ending at the step budget "
+        "(sj.Engine(prefill_sizes=...); default: the plan's, every 128 tokens)",
+    )
+    parser.add_argument(
         "--prefill-batches",
         choices=("padded", "ragged", "mixed"),
         default=None,
@@ -197,6 +206,8 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--max-batch-tokens", str(args.max_batch_tokens)]
     if args.profile_concurrency:
         out += ["--profile-concurrency", str(args.profile_concurrency)]
+    if args.prefill_sizes:
+        out += ["--prefill-sizes", *map(str, args.prefill_sizes)]
     if args.prefill_batches:
         out += ["--prefill-batches", args.prefill_batches]
     if args.http:
@@ -225,6 +236,8 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["max_batch_tokens"] = args.max_batch_tokens
     if args.profile_concurrency:
         out["profile_concurrency"] = args.profile_concurrency
+    if args.prefill_sizes:
+        out["prefill_sizes"] = tuple(args.prefill_sizes)
     if args.prefill_batches:
         out["ragged_prefill"] = args.prefill_batches != "padded"
         out["mixed_batches"] = args.prefill_batches == "mixed"

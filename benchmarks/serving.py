@@ -28,6 +28,9 @@ on) and once on a second engine with it off (same shapes: nothing compiles again
 decode step per call (``Plan.shared_num_scheduler_steps``): a multi-step call in flight delays
 every arrival, the uncached prefills' waves most, which would flatter the cache.
 
+Every level starts with an empty prefix cache (``Engine.reset_prefix_cache``): the levels
+share requests, and an earlier level's pages would prefill a later one's prompts for free.
+
 Per level: output tokens/s (tokens of finished requests / wall time) and in the steady state
 (every client's request in flight: from the first finish to the last submit; the whole run also
 counts the drain, where fewer than C requests remain), TTFT (submit to first token) and TPOT
@@ -121,9 +124,8 @@ class Plan:
     # a short prompt) pads to 128, not 256; each rung is a few more compiles of the 8B.
     min_chunk: int = 128
     min_decode_pages: int = 32
-    # The engine's prefill ladder (None: its default, every 128 tokens here). Steps of 64 (a
-    # cached wave of 8 x 72 new tokens at 576, not 640) gave no gain on the H200 in
-    # ``benchmarks/prefill_ladder_probe.py``: a wave's first tokens at ~16 ms either way.
+    # The engine's prefill ladder (None: its default, every 128 tokens here; ``--prefill-sizes``).
+    # Steps of 64 would prefill a cached wave of 8 x 72 new tokens at 576, not 640.
     prefill_sizes: tuple[int, ...] | None = None
     num_scheduler_steps: int = 4  # decode steps per device call when a step only decodes
     shared_num_scheduler_steps: int = 1  # the same, for the shared-prefix TTFT comparison
@@ -317,9 +319,15 @@ def run_level(
     """Closed-loop clients: ``concurrency`` requests in flight until all have finished.
     ``profile_steps`` (first, count): those engine steps are traced (``device_idle``), the
     host's Python calls too if ``python_tracer``. ``every_ttft``: each request's TTFT too, in
-    submission order (``ttft_ms``: where a percentile falls, wave by wave)."""
+    submission order (``ttft_ms``: where a percentile falls, wave by wave).
+
+    The level starts with an empty prefix cache, as on a fresh engine: the levels share
+    requests (C=64's are C=256's first half), and pages an earlier level left would prefill
+    them for free (an older tree without ``reset_prefix_cache``: as it ran there)."""
     import spark_jax as sj
 
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
     done: list[dict[str, float]] = []
@@ -437,6 +445,7 @@ def http_levels(engine: Any, plan: Plan, requests: list, report: Report) -> list
     try:
         rows = []
         for c in plan.http_concurrency:
+            engine.reset_prefix_cache()  # its direct twin's pages would prefill it for free
             done, wall = run_http_level(server.url, "bench", requests[: plan.http_requests(c)], c)
             http, own = summary(done, wall, c), direct[c]
             for level in (http, own):

@@ -664,6 +664,18 @@ class Engine:
         # A step still in flight holds only rows of requests held here, or of ended ones.
         return bool(self._requests or self._pending) or beams
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's name): later requests find none of the pages
+        earlier ones computed, as on a fresh engine (a benchmark's levels, or after changing
+        what a cached page would hold). Running requests keep their pages. False when this
+        engine caches no prefixes (encoder-decoder, ``enable_prefix_caching=False``)."""
+        with self._lock:
+            pages = self.scheduler.pages
+            if pages is None or not pages.enable_prefix_caching:
+                return False
+            pages.reset_prefix_cache()
+            return True
+
     def metrics(self) -> EngineMetrics:
         """What the engine holds now and has done so far (read-only)."""
         with self._lock:

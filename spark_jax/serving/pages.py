@@ -144,6 +144,17 @@ class PageAllocator:
         self._page_of[key] = page
         self._key_of[page] = key
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (vLLM's ``reset_prefix_cache``): idle cached pages are
+        free again and held ones stay with their holders, private from now on. The books
+        stay balanced while requests run. Returns how many keys were forgotten."""
+        forgotten = len(self._key_of)
+        self._free.extend(reversed(self._idle))  # the oldest released handed out first
+        self._idle.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+        return forgotten
+
     def check(self) -> None:
         """Asserts the pool's books balance (tests): every page is free, idle or held."""
         free, idle = set(self._free), set(self._idle)

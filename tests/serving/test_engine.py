@@ -351,8 +351,9 @@ def test_200_requests_sharing_system_prompts_give_the_tokens_they_give_uncached(
     prompts, params = system_prompt_requests(200, seed=5)
     runs, metrics = {}, {}
     # The default engine (mixed batches) with the cache on and off, and a [B, T] one with it.
+    engines = {}
     for caching, ragged in ((True, True), (False, True), ("padded", False)):
-        eng = Engine(
+        eng = engines[caching] = Engine(
             model,
             max_num_seqs=8,
             max_batch_tokens=64,
@@ -370,6 +371,13 @@ def test_200_requests_sharing_system_prompts_give_the_tokens_they_give_uncached(
     per_request = sum(r.timings["cached_tokens"] for r in runs[True])
     assert on.cached_prompt_tokens == per_request > 0 and off.cached_prompt_tokens == 0
     assert on.prompt_tokens + on.cached_prompt_tokens == off.prompt_tokens
+    # Emptied, the cache gives the next requests nothing: they compute their whole prompts.
+    assert engines[False].reset_prefix_cache() is False  # nothing to empty
+    assert engines[True].reset_prefix_cache() is True
+    again = engines[True].generate_many(prompts[:6], params[:6])
+    assert [r.timings["cached_tokens"] for r in again][0] == 0
+    assert engines[True].metrics().cached_prompt_tokens > on.cached_prompt_tokens  # the rest
+    assert [r.output_tokens for r in again] == [r.output_tokens for r in runs[True][:6]]
 
 
 # -------------------------------------------------------------------------------- the APIs

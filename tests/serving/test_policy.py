@@ -377,6 +377,28 @@ def test_idle_cached_pages_are_evicted_least_recently_released_first():
     assert plan.prefill[0].seq is c and plan.prefill[0].start == 0  # a's pages are gone
 
 
+def test_a_reset_prefix_cache_forgets_every_prefix_and_keeps_running_rows_pages():
+    s = paged(slots=2, pages=16, page_size=4, caching=True)
+    s.add(a := SequenceState(0, list(range(9))))
+    s.add(b := SequenceState(1, [50 + i for i in range(9)]))
+    run_step(s)
+    finish(s, a)  # a's 2 full pages idle in the cache; b's held
+    assert s.pages.num_cached == 4 and s.pages.in_use == 3
+    held = list(b.pages)
+    assert s.pages.reset_prefix_cache() == 4
+    s.pages.check()
+    assert s.pages.num_cached == 0 and s.pages.num_free == 13 and b.pages == held
+    assert all(s.pages.references(p) == 1 for p in held)
+    s.add(c := SequenceState(2, list(range(9))))  # a's prompt: computed again, whole
+    plan = s.plan()
+    assert [(r.seq, r.start, r.length) for r in plan.prefill] == [(c, 0, 9)]
+    s.advance(plan)
+    finish(s, b)
+    finish(s, c)
+    s.pages.check()
+    assert s.pages.in_use == 0 and s.pages.num_cached == 2  # c's pages, registered anew
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_preemption_and_aborts_with_the_cache_leave_no_page_or_reference_behind(mixed):
     """2 000 requests over a pool that preempts, random aborts, the prefix cache on: every page
