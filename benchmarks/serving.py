@@ -315,18 +315,20 @@ def run_level(
     profile_steps: tuple[int, int] | None = None,
     python_tracer: bool = True,
     every_ttft: bool = False,
+    fresh_cache: bool = True,
 ) -> dict:
     """Closed-loop clients: ``concurrency`` requests in flight until all have finished.
     ``profile_steps`` (first, count): those engine steps are traced (``device_idle``), the
     host's Python calls too if ``python_tracer``. ``every_ttft``: each request's TTFT too, in
     submission order (``ttft_ms``: where a percentile falls, wave by wave).
 
-    The level starts with an empty prefix cache, as on a fresh engine: the levels share
-    requests (C=64's are C=256's first half), and pages an earlier level left would prefill
-    them for free (an older tree without ``reset_prefix_cache``: as it ran there)."""
+    ``fresh_cache`` (the default): the level starts with an empty prefix cache, as on a
+    fresh engine: the levels share requests (C=64's are C=256's first half), and pages an
+    earlier level left would prefill them for free (an older tree without
+    ``reset_prefix_cache``: as it ran there)."""
     import spark_jax as sj
 
-    if hasattr(engine, "reset_prefix_cache"):
+    if fresh_cache and hasattr(engine, "reset_prefix_cache"):
         engine.reset_prefix_cache()
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
@@ -506,6 +508,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     data = jax.profiler.ProfileData.from_file(path)
     spans, by_name, host = [], collections.Counter(), []
     modules = collections.Counter()  # kernel time by the program that ran the kernel
+    kernels = collections.defaultdict(collections.Counter)  # program -> kernel -> time
     host_lines = collections.Counter()  # the host threads traced: events each
     for plane in data.planes:
         for line in plane.lines:
@@ -515,6 +518,7 @@ def idle_of_trace(path: str) -> dict[str, Any]:
                     spans.append((e.start_ns, e.start_ns + e.duration_ns, program))
                     by_name[e.name[:80]] += e.duration_ns
                     modules[program[:80]] += e.duration_ns
+                    kernels[program[:80]][e.name[:60]] += e.duration_ns
             elif plane.name == "/host:CPU":
                 events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
                 host_lines[line.name] += len(events)
@@ -553,6 +557,11 @@ def idle_of_trace(path: str) -> dict[str, Any]:
         "gaps_over_100us": sum(b - a > 100_000 for a, b in gaps),
         "top_kernels_ms": top,
         "programs_ms": {n: ns / 1e6 for n, ns in modules.most_common(12)},
+        # Inside the programs that take the most time: their kernels that do.
+        "kernels_by_program_ms": {
+            program: {name: ns / 1e6 for name, ns in kernels[program].most_common(8)}
+            for program, _ in modules.most_common(3)
+        },
         "host_during_idle_ms": {n: ns / 1e6 for n, ns in during.most_common(40)},
         "host_between_programs_ms": {n: ns / 1e6 for n, ns in during_between.most_common(20)},
         # A host function long here but short above waited on the device (a blocking read,

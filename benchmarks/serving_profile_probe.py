@@ -153,8 +153,10 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
     prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
     submitted together, each of its first ``steps`` engine steps timed on the host (when
-    the first tokens come out), then the same wave again under the profiler: the programs'
-    runs on the device against the host's dispatches."""
+    the first tokens come out), then another wave under the profiler: the programs' runs on
+    the device against the host's dispatches, and their kernels. Each wave is the level's
+    requests with questions of their own (the prefix cached, not the questions: a wave that
+    ran before would find its whole prompts cached)."""
     import spark_jax as sj
 
     shared = shared_prefix_workload(plan)
@@ -164,6 +166,10 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     print("shared prefix, cache on: TTFT p50 ms", level["ttft_s"]["p50"] * 1e3, flush=True)
     params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
     start = time.perf_counter()
+    # The same prefix, questions not asked before.
+    rng, system = np.random.default_rng(2), shared[0][0][: plan.shared_prefix]
+    questions = rng.integers(0, plan.config.vocab_size, (2 * c, plan.question)).tolist()
+    shared = [(system + q, plan.answer) for q in questions]
     waiting = {engine.add_request(p, params) for p, _ in shared[:c]}
     for i in range(steps):
         began = time.perf_counter()
@@ -179,7 +185,8 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
         engine.step()
     # The host's Python untraced: its dispatches (``host_calls``) against the programs'
     # runs on the device (``program_runs``), in ms from the first kernel.
-    trace = run_level(engine, shared[:c], c, (0, steps), python_tracer=False)
+    wave = shared[c : 2 * c]
+    trace = run_level(engine, wave, c, (0, steps), python_tracer=False, fresh_cache=False)
     print("shared wave, traced:", json.dumps(trace.get("device_idle"), indent=1))
 
 
