@@ -64,6 +64,7 @@ import collections
 import dataclasses
 import gc
 import glob
+import hashlib
 import heapq
 import inspect
 import json
@@ -360,6 +361,7 @@ def run_level(
             record.setdefault("first", now)
             if out.finished:
                 record["end"], record["tokens"] = now, len(out.result.output_tokens)
+                record["output"] = out.result.output_tokens
                 done.append(inflight.pop(out.request_id))
     if trace_dir and steps < profile_steps[0] + profile_steps[1]:
         jax.profiler.stop_trace()  # the level ended first: its figures stay out (below)
@@ -368,12 +370,22 @@ def run_level(
         ordered = sorted(done, key=lambda r: r["submit"])
         level["ttft_ms"] = [round((r["first"] - r["submit"]) * 1e3, 2) for r in ordered]
     level |= steady_state(emitted, done)
+    level["output_digest"] = output_digest(done)
     level["engine_steps"] = steps
     level["host_cpu_ms_per_step"] = host_cpu / steps * 1e3
     level["host_cpu_us_per_token"] = host_cpu / level["output_tokens"] * 1e6
     if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
         level["device_idle"] = device_idle(trace_dir)
     return level
+
+
+def output_digest(done: list[dict[str, Any]]) -> str:
+    """A hash of every request's output tokens in submission order: two runs of a level (two
+    trees, two XLA settings) that print the same digest gave the same tokens."""
+    h = hashlib.blake2b(digest_size=8)
+    for record in sorted(done, key=lambda r: r["submit"]):
+        h.update(np.asarray(record["output"], np.int64).tobytes())
+    return h.hexdigest()
 
 
 def summary(done: list[dict[str, float]], wall: float, concurrency: int) -> dict[str, Any]:
@@ -679,7 +691,8 @@ def _hf_generate(model: Any, ids: Any, mask: Any, new: int, device: str) -> None
 
 def progress(name: str, level: dict[str, Any]) -> None:
     """One line per finished level on stderr, so a run cut short still tells what it got."""
-    keys = ("output_tok_s", "ttft_s", "tpot_s", "host_cpu_us_per_token", "roofline", "device_idle")
+    keys = ("output_tok_s", "ttft_s", "tpot_s", "host_cpu_us_per_token", "roofline")
+    keys += ("output_digest", "device_idle")
     print(name, json.dumps({k: level[k] for k in keys if k in level}), file=sys.stderr)
 
 
