@@ -243,11 +243,7 @@ def flash_attention(
         b, t, s, n, kv_heads, h, block_q, block_k, stages, consumers, pingpong, programs, q.dtype,
         causal, scale, page_size, interpret,
     )  # fmt: skip
-    out = run(query_lengths, key_lengths, *tables, q, k, v)
-    if programs is not None and b <= _COMPACT_ROWS:  # tiles of padding alone were never walked
-        live = jnp.arange(t)[None, :] < query_lengths[:, None]
-        out = jnp.where(live[:, :, None, None], out, jnp.zeros((), out.dtype))
-    return out
+    return run(query_lengths, key_lengths, *tables, q, k, v)
 
 
 def flash_decode_applies(q: jax.Array, k: jax.Array, paged: bool = False) -> bool:
@@ -333,11 +329,6 @@ def _lengths(
     return query_lengths.astype(jnp.int32), key_lengths.astype(jnp.int32)
 
 
-# Persistent programs walk only the tiles with a live query up to this many batch rows (the
-# tile's place is found by a scan over the rows' lengths, in each program, at each tile).
-_COMPACT_ROWS = 16
-
-
 @functools.cache  # one jitted kernel per configuration: see shared_kernel
 def _flash_kernel(
     b: int,
@@ -366,10 +357,6 @@ def _flash_kernel(
     num_programs_q = t // (block_q * blocks_per_program)
     num_tiles = n * num_programs_q * b  # a tile: one program's query blocks of one head and row
     grid_size = num_tiles if programs is None else min(programs, num_tiles)
-    # Persistent programs over few rows walk only the tiles with a live query: a ragged
-    # batch's rows each span the whole T, so most tiles hold only padding (each would still
-    # load its queries and store zeros). The wrapper zeroes the padding's output instead.
-    compact = programs is not None and b <= _COMPACT_ROWS
     buffers = 1 if programs is None else 2  # persistent: the next tile's queries load early
     tiled = smem_transforms(dtype)
     log2_scale = scale * _LOG2E  # the softmax in base 2
@@ -404,42 +391,10 @@ def _flash_kernel(
             causal, the longest (last) query blocks come first, so short ones fill the tail."""
             if index is None:
                 order, head, row = (lax.axis_index(axis) for axis in ("q", "n", "b"))
-            elif compact:
-                return live_tile(index)
             else:
                 order, rest = lax.div(index, n * b), lax.rem(index, n * b)
                 head, row = lax.rem(rest, n), lax.div(rest, n)
             program_q = num_programs_q - 1 - order if causal else order
-            q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
-            return Tile(head, row, program_q, lax.div(head, group), q_length, k_length)
-
-        def live_programs():
-            """Each row's query programs that hold a live query (int32 scalars, by row)."""
-            per = block_q * blocks_per_program
-            return [jnp.minimum(pl.cdiv(q_lengths_gmem[r], per), num_programs_q) for r in range(b)]
-
-        def num_live_tiles():
-            return n * _total(live_programs())
-
-        def live_tile(index) -> Tile:
-            """Tile ``index`` of the live ones (a query program holding a live query), level
-            by level: level L holds each row's L-th program from its last (causal: the
-            heaviest first), heads fastest, then the rows that have one."""
-            live = live_programs()
-            level = jnp.int32(0)
-            for lv in range(1, num_programs_q):  # the last level starting at or before index
-                start = n * _total([jnp.minimum(p, lv) for p in live])
-                level += (start <= index).astype(jnp.int32)
-            start = n * _total([jnp.minimum(p, level) for p in live])
-            within = index - start
-            head, rank = lax.rem(within, n), lax.div(within, n)
-            row, seen = jnp.int32(0), jnp.int32(0)
-            for r in range(b):  # the rank-th row with a program at this level
-                has = live[r] > level
-                row = jnp.where(has & (seen == rank), r, row)
-                seen += has.astype(jnp.int32)
-            programs_of_row = _total([jnp.where(row == r, live[r], 0) for r in range(b)])
-            program_q = programs_of_row - 1 - level if causal else level
             q_length, k_length = q_lengths_gmem[row], k_lengths_gmem[row]
             return Tile(head, row, program_q, lax.div(head, group), q_length, k_length)
 
@@ -638,14 +593,7 @@ def _flash_kernel(
                 plgpu.wait_smem_to_gmem(0)
 
         kernels = Walkers(
-            tile_of,
-            query_block,
-            fetch_keys,
-            fetch_values,
-            load_queries,
-            walk,
-            finish,
-            num_live_tiles,
+            tile_of, query_block, fetch_keys, fetch_values, load_queries, walk, finish
         )
         if not consumers:
             _single_warpgroup(query_block(tile_of(None), 0), kernels)
@@ -694,11 +642,7 @@ def _flash_kernel(
         if programs is None:  # one tile, the program's place in the grid
             return 1, lambda _: kernels.tile_of(None), steps
         program = lax.axis_index("t")
-        if compact:  # only the tiles with a live query (their number is the lengths')
-            total = kernels.num_live_tiles()
-            rounds, rest = lax.div(total, grid_size), lax.rem(total, grid_size)
-        else:
-            rounds, rest = divmod(num_tiles, grid_size)
+        rounds, rest = divmod(num_tiles, grid_size)
 
         def place(i):  # program's place in round i
             return jnp.where(lax.rem(i, 2) == 0, program, grid_size - 1 - program)
@@ -898,7 +842,7 @@ class QueryBlock(NamedTuple):
 class Walkers(NamedTuple):
     """A program's pieces, shared by its warpgroup arrangements: a tile by its index, a query
     block of a tile, the K and V copies of a tile's key block j into a slot, the query copy,
-    the walk over key blocks, the output write and the count of live tiles."""
+    the walk over key blocks and the output write."""
 
     tile_of: Callable
     query_block: Callable
@@ -907,12 +851,6 @@ class Walkers(NamedTuple):
     load_queries: Callable
     walk: Callable
     finish: Callable
-    num_live_tiles: Callable  # the tiles holding a live query (persistent programs, few rows)
-
-
-def _total(values: list) -> jax.Array:
-    """The sum of a list of scalars (traced in a kernel: one add each)."""
-    return functools.reduce(lambda x, y: x + y, values)
 
 
 def _nothing(*_) -> None:

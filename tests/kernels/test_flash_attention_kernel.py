@@ -147,23 +147,6 @@ def test_warp_specialized_programs_give_the_same_attention(
     assert (np.asarray(out)[padding] == 0).all()
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_persistent_programs_walk_only_live_tiles_of_ragged_rows(causal):
-    """A ragged batch as the model's prefill lays it out: four rows over T = 256 (two
-    programs of 2 x 64 queries a row), one idle, one with a single live program, one with a
-    cached prefix; 3 persistent programs share only the tiles that hold a live query (their
-    count and places come from the lengths), and the padding still reads zeros."""
-    q, k, v = _inputs(5, 4, 256, 320, 4, 2, 64, jnp.float32)
-    q_len = jnp.asarray([70, 0, 256, 129], jnp.int32)
-    k_len = jnp.asarray([70, 0, 300, 200], jnp.int32) if causal else jnp.full((4,), 320)
-    tuning = dict(stages=2, consumers=2, pingpong=True, programs=3)
-    out = _kernel(q, k, v, q_len, k_len, causal, 64, 64, **tuning)
-    ref = _reference(q, k, v, q_len, k_len, causal)
-    assert _relative_error(out, ref) <= 1e-5
-    padding = np.arange(256)[None, :] >= np.asarray(q_len)[:, None]
-    assert (np.asarray(out)[padding] == 0).all()
-
-
 def test_flash_attention_never_reads_past_the_lengths():
     """NaN in every key block past a row's key length and in every query past its query
     length: the kernel's output stays finite (and right), so those blocks were never read."""
