@@ -9,12 +9,13 @@ both ladders run on the same compiled programs: the scheduler's ladder is swappe
 levels. Per ladder and repeat: the shared-prefix level with the prefix cache and with its
 lookups off (same engine: the comparison of the suite's 4c, not its two engines), each
 cached request's TTFT in submission order, and the C=64 level (the suite's requests). The
-ladders take turns (fine first on even repeats, the default first on odd ones): the first
-levels after warm-up ran slower on the H200. Then ``serving_profile_probe.shared_timeline``
-(a wave's steps, traced) and 8 steps at C=64 traced without the Python tracer (the suite's
-decode steps per call: its item-5 setting; the first form traced one step per call).
-``--gather``: the model's prefills read the gathered rows
-(``KernelOptions(paged_flash_prefill=False)``), else the pages in place.
+ladders take turns (fine first on even repeats, the default first on odd ones). Every level
+starts with an empty prefix cache (``run_level``): the first form of this probe ran the same
+requests again with their prompts cached, which read as a faster engine. Then
+``serving_profile_probe.shared_timeline`` (a wave's steps, traced) and 8 steps at C=64
+traced without the Python tracer (the suite's decode steps per call: its item-5 setting; the
+first form traced one step per call). ``--gather``: the model's prefills read the gathered
+rows (``KernelOptions(paged_flash_prefill=False)``), else the pages in place.
 With ``$OUT`` set, everything also goes to ``$OUT/prefill_ladder_probe.json``.
 """
 

@@ -165,11 +165,11 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     level = run_level(engine, shared, c)
     print("shared prefix, cache on: TTFT p50 ms", level["ttft_s"]["p50"] * 1e3, flush=True)
     params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
-    start = time.perf_counter()
     # The same prefix, questions not asked before.
     rng, system = np.random.default_rng(2), shared[0][0][: plan.shared_prefix]
     questions = rng.integers(0, plan.config.vocab_size, (2 * c, plan.question)).tolist()
     shared = [(system + q, plan.answer) for q in questions]
+    start = time.perf_counter()
     waiting = {engine.add_request(p, params) for p, _ in shared[:c]}
     for i in range(steps):
         began = time.perf_counter()
