@@ -53,6 +53,11 @@ def test_serving(tmp_path: Path) -> None:
         assert len(level["ttft_ms"]) == level["requests"]
         median = float(np.median(level["ttft_ms"]))
         assert median == pytest.approx(level["ttft_s"]["p50"] * 1e3, abs=0.01)
+    # The cache changes no token; and each level starts without it: C=8 runs C=1's requests,
+    # which an earlier level's pages would have prefilled for free (read after both levels).
+    on, off = (line["details"][f"shared_prefix_cache_{c}"]["output_digest"] for c in ("on", "off"))
+    assert on == off and line["details"]["c1"]["output_digest"] != on
+    assert line["details"]["metrics"]["cached_prompt_tokens"] == 0
 
 
 def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
@@ -62,9 +67,10 @@ def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
 
     argv = ["serving", "--concurrency", "64", "256", "--requests", "300"]
     argv += ["--num-scheduler-steps", "4", "--profile-concurrency", "256"]
+    argv += ["--prefill-sizes", "256", "512", "1024"]
     args = parse_args([*argv, "--prefill-batches", "mixed", "--max-prefill-seqs", "8"])
     want = {"concurrency": (64, 256), "requests": 300, "num_scheduler_steps": 4}
-    want |= {"max_prefill_seqs": 8}
+    want |= {"max_prefill_seqs": 8, "prefill_sizes": (256, 512, 1024)}
     want |= {"profile_concurrency": 256, "ragged_prefill": True, "mixed_batches": True}
     assert plan_overrides(args) == want
     assert plan_overrides(parse_args(["serving", *plan_args(args)])) == plan_overrides(args)
