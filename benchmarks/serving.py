@@ -329,8 +329,8 @@ def run_level(
     ``reset_prefix_cache``: as it ran there)."""
     import spark_jax as sj
 
-    if fresh_cache and hasattr(engine, "reset_prefix_cache"):
-        engine.reset_prefix_cache()
+    if fresh_cache:
+        empty_prefix_cache(engine)
     queue = list(requests)
     inflight: dict[int, dict[str, float]] = {}
     done: list[dict[str, float]] = []
@@ -377,6 +377,13 @@ def run_level(
     if trace_dir and steps >= profile_steps[0] + profile_steps[1]:
         level["device_idle"] = device_idle(trace_dir)
     return level
+
+
+def empty_prefix_cache(engine: Any) -> None:
+    """Empties the engine's prefix cache before a level (an older tree's engine, without
+    ``reset_prefix_cache``, runs as it did there)."""
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()
 
 
 def output_digest(done: list[dict[str, Any]]) -> str:
@@ -459,7 +466,7 @@ def http_levels(engine: Any, plan: Plan, requests: list, report: Report) -> list
     try:
         rows = []
         for c in plan.http_concurrency:
-            engine.reset_prefix_cache()  # its direct twin's pages would prefill it for free
+            empty_prefix_cache(engine)  # its direct twin's pages would prefill it for free
             done, wall = run_http_level(server.url, "bench", requests[: plan.http_requests(c)], c)
             http, own = summary(done, wall, c), direct[c]
             for level in (http, own):
