@@ -19,7 +19,10 @@ next step's decode reads it, so the engine reads a step's tokens while the next 
   the gather stays short.
   A mixed step (``mixed``, the engine's ``mixed_batches``): a step that prefills runs its
   decoding rows in the prefill's forward, a token each after the ragged batch's (the
-  decoder's ``prefill`` with ``decode_slots``), and picks every sampling row at once.
+  decoder's ``prefill`` with ``decode_slots``), and picks every sampling row at once. A
+  prefill with no row decoding beside it (a wave of admissions onto an idle engine) runs the
+  plain ragged program: the mixed one's riding rows (the top decode width's, none real) would
+  cost it their attention and LM head rows.
   A draft head's engine keeps every step's final hidden states per slot and position
   (``hidden_rows``), which the head reads (``spark_jax.serving.drafting``).
 - ``DenseExecutor``: an encoder-decoder model over the runner's dense per-slot cache (whole
@@ -322,7 +325,8 @@ class HostTokens:
 
 @dataclass(frozen=True)
 class WarmStep:
-    """One step shape for warm-up: the runner's ``kind`` step ("decode" | "prefill") over a
+    """One step shape for warm-up: the runner's ``kind`` step ("decode", "verify", "chunk",
+    "prefill", or a ragged prefill: "ragged", "mixed" with decode rows riding) over a
     ``shape`` (a decode: its table width; a prefill: rows and chunk or source length)."""
 
     kind: str
@@ -1151,8 +1155,8 @@ class PagedExecutor:
         seqs = _prefill_samples(rows, padded)
         adapters = [r.seq.adapter for r in rows] + [-1] * pad
         decode_slots = None
-        if self.mixed:  # the top decode width's rows, the riding ones first
-            self.num_mixed_steps += bool(riding)
+        if riding:  # the top decode width's rows, the riding ones first
+            self.num_mixed_steps += 1
             seqs += _padded(riding, self.decode_widths[-1])
             decode_slots = [nowhere if s is None else s.slot for s in seqs[padded:]]
             adapters += [-1 if s is None else s.adapter for s in seqs[padded:]]
@@ -1178,7 +1182,7 @@ class PagedExecutor:
         if before_pick is not None:
             before_pick()
         # The prefill rows' pick and the riding rows' (each at a width the decode has).
-        outs = logits if self.mixed else (logits,)
+        outs = logits if decode_slots is not None else (logits,)
         picks = []
         for x, part in zip(outs, (seqs[:padded], seqs[padded:]), strict=False):
             if any(s is not None for s in part):
@@ -1252,6 +1256,8 @@ class PagedExecutor:
             ]
         kind = "ragged" if self.ragged_prefill else "prefill"
         steps += [WarmStep(kind, shape) for shape in prefill_shapes]
+        if self.mixed:  # the same batches with decode rows riding
+            steps += [WarmStep("mixed", shape) for shape in prefill_shapes]
         return [WarmGroup(steps, self.lower, partial(_run_warm_steps, self))]
 
     def warm_rest(self, max_admitted: int) -> None:
@@ -1300,9 +1306,9 @@ class PagedExecutor:
             return (state, held.tokens, held.active), kwargs | {"returning_inputs": True}
         rows, chunk = step.shape  # rows x chunk tokens into slots out of range
         adapters = _warm_adapters(rows, step.adapted)
-        if step.kind == "ragged":  # ``chunk`` tokens in all, the first row's, no row riding
+        if step.kind in ("ragged", "mixed"):  # ``chunk`` tokens in all, the first row's
             decode_slots = None
-            if self.mixed:
+            if step.kind == "mixed":  # the top decode width's rows, none real
                 decode_slots = [self.num_slots] * self.decode_widths[-1]
                 adapters += [-1] * len(decode_slots)
             chunks = [[0] * chunk] + [[]] * (rows - 1)
@@ -1327,7 +1333,7 @@ def _lower(executor: PagedExecutor | DenseExecutor, step: WarmStep) -> jax.stage
     """A warm-up step's program (inputs made as a run makes them)."""
     args, kwargs = executor.warm_inputs(step)
     runner = executor.runner
-    if step.kind == "ragged":  # (the paged executor's)
+    if step.kind in ("ragged", "mixed"):  # (the paged executor's)
         return runner.prefill_held(*args, **kwargs, lower=True)
     lower = {"decode": runner.lower_decode, "prefill": runner.lower_prefill}.get(step.kind)
     return (lower or runner.lower_verify)(*args, **kwargs)
@@ -1359,7 +1365,7 @@ def _run_warm_steps(
             logits = executor.warm_keep(out)
             verified[logits.shape[0]] = logits
             continue
-        elif step.kind == "ragged":  # (hands its inputs back first, as the decode does)
+        elif step.kind in ("ragged", "mixed"):  # (hands its inputs back first, as decode does)
             out, executor.state = runner.prefill_held(*args, **kwargs)[-2:]
         else:
             out, executor.state = runner.prefill(*args, **kwargs)

@@ -219,15 +219,15 @@ def test_the_decode_program_reads_its_inputs_at_the_same_addresses_every_step(en
 def test_the_prefill_program_reads_its_inputs_at_the_same_addresses_every_step(engine, monkeypatch):
     """The ragged prefill's inputs too (its decode rows' and every slot's last token among
     them) are written into the buffers the last prefill of its shape used, taken by the
-    program and handed back: a step of each shape dispatches one address set."""
+    program and handed back: a step of each shape dispatches one address set (a shape: the
+    total, and whether decode rows ride, as they do in a prefill beside running rows)."""
     runner = engine.executor.runner
     prefill, seen = runner.prefill_held, {}
 
     def spy(state, *inputs, **kwargs):
-        arrays = (*inputs, state.block_table, state.lengths)
-        seen.setdefault(inputs[0].shape[0], []).append(
-            tuple(a.unsafe_buffer_pointer() for a in arrays)
-        )
+        arrays = (*(x for x in inputs if x is not None), state.block_table, state.lengths)
+        shape = (inputs[0].shape[0], inputs[3] is not None)
+        seen.setdefault(shape, []).append(tuple(a.unsafe_buffer_pointer() for a in arrays))
         out = prefill(state, *inputs, **kwargs)
         assert all(a.is_deleted() for a in arrays)
         return out
@@ -239,9 +239,10 @@ def test_the_prefill_program_reads_its_inputs_at_the_same_addresses_every_step(e
         engine.step()
     while engine.has_unfinished():
         engine.step()
-    assert len(seen[32]) >= 6
-    for total, steps in seen.items():
-        assert len(set(steps)) == 1, f"{total} tokens: {len(set(steps))} address sets"
+    assert len(seen[32, True]) >= 6
+    assert len(seen[32, False]) == 1  # the first, onto an idle engine: no row rides
+    for shape, steps in seen.items():
+        assert len(set(steps)) == 1, f"{shape}: {len(set(steps))} address sets"
 
 
 def multi_step_params(i: int, max_tokens: int) -> sj.SamplingParams:
