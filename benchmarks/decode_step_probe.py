@@ -15,7 +15,9 @@ after 1 000 cached keys in a stream of 576, with the 256-slot engine's decode ro
 (none real), as the shared-prefix level's waves run; ``cached_wave_alone`` the same without
 riding rows; ``c64_step``, 4 fresh prompts of 224 tokens and 64 decode rows at 300 keys in a
 stream of 1 024, a C=64 step that admits. ``--xla`` compiles each program once per set of
-XLA options (``no_triton_gemm``: cuBLAS takes every GEMM). ``--attention pallas`` forces our
+XLA options over the step's own (``default``: cuBLAS's GEMMs from 64 rows,
+``spark_jax.models.wide_gemm``; ``triton_gemm``: XLA's Triton fusions at any width;
+``no_triton_gemm``: cuBLAS at any width). ``--attention pallas`` forces our
 paged kernels (``KernelOptions.implementation``). With ``$OUT`` set, the figures go to
 ``$OUT/decode_step_probe.json``.
 """
@@ -48,7 +50,12 @@ from spark_jax.models import decoder
 from spark_jax.ops.options import KernelOptions
 from spark_jax.serving.executor import PagedExecutor, upload
 
-XLA_OPTIONS = {"default": {}, "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False}}
+# "default": the step's own (``spark_jax.models.wide_gemm``: cuBLAS's GEMMs from 64 rows).
+XLA_OPTIONS = {
+    "default": {},
+    "triton_gemm": {"xla_gpu_enable_triton_gemm": True},
+    "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False},
+}
 # name: (prefill rows, new tokens a row, cached keys a row, stream length, real decode rows
 # and their keys, decode slots riding (None: a program without them))
 PREFILLS = {

@@ -31,6 +31,7 @@ import numpy as np
 from spark_jax.config import ModelConfig
 from spark_jax.models.common import ForwardOutput, bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
+from spark_jax.models.wide_gemm import argument, jit_by_rows
 from spark_jax.ops.attention import attention, cache_attention
 from spark_jax.ops.kv_cache import KVCache, write_kv
 from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
@@ -365,7 +366,10 @@ class DecoderLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Steps. Each is one jitted function; the cache is donated so XLA updates it in place.
+# Steps. Each is one jitted function; the cache is donated so XLA updates it in place. Each is
+# compiled with cuBLAS's GEMMs where its token ids are many rows (``jit_by_rows``).
+
+TOKENS = argument(2, "tokens")  # a step's rows: its token ids, the third argument
 
 
 def init_cache(
@@ -423,8 +427,8 @@ def _run(
     return model, hidden, kv.with_lengths(lengths)
 
 
-@partial(
-    jax.jit,
+@jit_by_rows(
+    TOKENS,
     static_argnames=("config", "fresh", "options", "with_hidden", "ragged"),
     donate_argnames=("kv",),
 )
@@ -485,8 +489,8 @@ def prefill(
     return ((logits, hidden) if with_hidden else logits), kv
 
 
-@partial(
-    jax.jit,
+@jit_by_rows(
+    TOKENS,
     static_argnames=("config", "options", "with_hidden"),
     donate_argnames=("tokens", "lengths", "slots", "decode_slots", "last_tokens", "kv"),
 )
@@ -529,7 +533,7 @@ def token_adapters(
     return out + [-1] * (total - len(out))
 
 
-@partial(jax.jit, static_argnames=("config", "options", "with_hidden"), donate_argnames=("kv",))
+@jit_by_rows(TOKENS, static_argnames=("config", "options", "with_hidden"), donate_argnames=("kv",))
 def decode(
     params,
     config: ModelConfig,
@@ -551,8 +555,8 @@ def decode(
     return ((logits, hidden) if with_hidden else logits), kv
 
 
-@partial(
-    jax.jit,
+@jit_by_rows(
+    TOKENS,
     static_argnames=("config", "options", "with_hidden"),
     donate_argnames=("tokens", "active", "kv"),
 )
@@ -589,7 +593,7 @@ def _decode_rows(
     return decode(params, config, tokens, active, kv, lora, options=options)
 
 
-@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
+@jit_by_rows(TOKENS, static_argnames=("config", "options"), donate_argnames=("kv",))
 def verify(
     params,
     config: ModelConfig,
@@ -616,7 +620,7 @@ def _verify_rows(
     return verify(params, config, tokens, lengths, kv, lora, options=options)
 
 
-@partial(jax.jit, static_argnames=("config", "options"), donate_argnames=("kv",))
+@jit_by_rows(TOKENS, static_argnames=("config", "options"), donate_argnames=("kv",))
 def verify_hidden(
     params,
     config: ModelConfig,

@@ -54,6 +54,7 @@ from spark_jax.generation.speculative import Proposal, SpecRecord, SpecRows, Spe
 from spark_jax.generation.step import Carry, Chunk, SampleRows, Sampling
 from spark_jax.generation.step import step as core_step
 from spark_jax.models.decoder import token_adapters
+from spark_jax.models.wide_gemm import argument, jit_by_rows
 from spark_jax.ops.attention import paged_kernel
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch, SamplerPasses, SamplingParams
@@ -512,8 +513,8 @@ CHUNK_RULE = Sampling(
 )
 
 
-@partial(
-    jax.jit,
+@jit_by_rows(
+    argument(5, "inputs", "tokens"),  # its rows' token ids (``ChunkRows``)
     static_argnames=("fn", "rule", "num_steps"),
     donate_argnames=("state", "inputs", "counts"),
     compiler_options=DEVICE_LOOP_OPTIONS,
