@@ -20,6 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
+try:
+    from jax.core import Tracer
+except ImportError:  # a jax that no longer exports it
+    from jax._src.core import Tracer
+
 WIDE_ROWS = 64  # programs whose matmuls have at least this many rows take cuBLAS's GEMMs
 WIDE_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
@@ -48,7 +53,7 @@ class JitByRows:
 
     def _pick(self, args: tuple, kwargs: dict) -> Any:
         x = self._rows_arg(args, kwargs)
-        if isinstance(x, jax.core.Tracer):
+        if isinstance(x, Tracer):
             return self._nested
         return self._wide if math.prod(np.shape(x)) >= WIDE_ROWS else self._narrow
 
