@@ -6,11 +6,13 @@ beside its read floor, for the decode step and for the ragged prefill the engine
         [--prefill cached_wave cached_wave_alone c64_step] [--tiny]
 
 Builds the serving engine's ``PagedExecutor`` over a random Llama-3-8B (no warm-up of the
-other programs). Decode, per (rows, context): the device's time a step of the engine's own
-decode program dispatched back to back, its floor (the weights and the rows' K/V read once
-at the read ceiling measured in this run), and a trace of ``--traced`` steps: each kernel's
+other programs). Decode, per (rows, context): the device's time a step of the decoder's
+decode program (the engine's forward at that width) dispatched back to back, the rows'
+lengths copied back before each step, its floor (the weights and the rows' K/V read once at
+the read ceiling measured in this run), and a trace of ``--traced`` steps: each kernel's
 time a step, largest first. ``--prefill`` does the same for ragged prefill steps (the
-engine's ``prefill_returning_inputs`` program): ``cached_wave``, 8 rows of 72 new tokens
+decoder's ``prefill``, ragged, as the engine's ``prefill_returning_inputs`` runs it; the
+lengths copied back each call too): ``cached_wave``, 8 rows of 72 new tokens
 after 1 000 cached keys in a stream of 576, with the 256-slot engine's decode rows riding
 (none real), as the shared-prefix level's waves run; ``cached_wave_alone`` the same without
 riding rows; ``c64_step``, 4 fresh prompts of 224 tokens and 64 decode rows at 300 keys in a
