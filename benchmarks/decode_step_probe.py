@@ -47,7 +47,7 @@ from benchmarks.common import (
     read_bandwidth,
     weight_bytes_per_step,
 )
-from benchmarks.serving import FULL, SMALL, merged_gaps
+from benchmarks.serving import FULL, SMALL, device_kernels, merged_gaps
 from spark_jax.models import decoder
 from spark_jax.ops.options import KernelOptions
 from spark_jax.serving.executor import PagedExecutor, upload
@@ -75,20 +75,13 @@ TINY_PREFILLS = {
 def kernels_of_trace(trace_dir: str, calls: int) -> dict[str, Any]:
     """Each device kernel's time a call (ms), and the merged busy and idle time a call."""
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    data = jax.profiler.ProfileData.from_file(paths[0])
+    kernels = device_kernels(jax.profiler.ProfileData.from_file(paths[0]))
     by_name: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    spans = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for e in line.events:
-                by_name[e.name[:90]] += e.duration_ns
-                counts[e.name[:90]] += 1
-                spans.append((e.start_ns, e.start_ns + e.duration_ns, "step"))
+    for start, end, name, _ in kernels:
+        by_name[name[:90]] += end - start
+        counts[name[:90]] += 1
+    spans = [(start, end, "step") for start, end, _, _ in kernels]
     if not spans:
         return {"error": "no device events (a CPU backend)"}
     busy, _, _ = merged_gaps(spans)

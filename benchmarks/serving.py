@@ -522,6 +522,24 @@ def merged_gaps(
     return busy + hi - lo, gaps, between
 
 
+def device_kernels(data: Any) -> list[tuple[int, int, str, str]]:
+    """Every kernel on a device stream of a trace (``jax.profiler.ProfileData``): (start,
+    end, kernel name, the program that ran it), in ns."""
+    return [
+        (
+            e.start_ns,
+            e.start_ns + e.duration_ns,
+            e.name,
+            str(dict(e.stats).get("hlo_module", "(no program)")),
+        )
+        for plane in data.planes
+        if plane.name.startswith("/device:")
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for e in line.events
+    ]
+
+
 def idle_of_trace(path: str) -> dict[str, Any]:
     """``device_idle``'s figures from one ``.xplane.pb`` file."""
     data = jax.profiler.ProfileData.from_file(path)
@@ -529,16 +547,14 @@ def idle_of_trace(path: str) -> dict[str, Any]:
     modules = collections.Counter()  # kernel time by the program that ran the kernel
     kernels = collections.defaultdict(collections.Counter)  # program -> kernel -> time
     host_lines = collections.Counter()  # the host threads traced: events each
+    for start, end, name, program in device_kernels(data):
+        spans.append((start, end, program))
+        by_name[name[:80]] += end - start
+        modules[program[:80]] += end - start
+        kernels[program[:80]][name[:60]] += end - start
     for plane in data.planes:
         for line in plane.lines:
-            if plane.name.startswith("/device:") and line.name.startswith("Stream"):
-                for e in line.events:
-                    program = str(dict(e.stats).get("hlo_module", "(no program)"))
-                    spans.append((e.start_ns, e.start_ns + e.duration_ns, program))
-                    by_name[e.name[:80]] += e.duration_ns
-                    modules[program[:80]] += e.duration_ns
-                    kernels[program[:80]][e.name[:60]] += e.duration_ns
-            elif plane.name == "/host:CPU":
+            if plane.name == "/host:CPU":
                 events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events]
                 host_lines[line.name] += len(events)
                 if line.name.startswith("python"):  # the driving thread (python, python3)
