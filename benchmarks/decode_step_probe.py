@@ -3,7 +3,7 @@ beside its read floor, for the decode step and for the ragged prefill the engine
 
     PYTHONPATH=. python benchmarks/decode_step_probe.py [--rows 1 64] [--context 300 2000]
         [--attention default pallas] [--xla default no_triton_gemm]
-        [--prefill cached_wave cached_wave_alone c64_step] [--tiny]
+        [--prefill cached_wave cached_wave_alone c64_step] [--hlo] [--tiny]
 
 Builds the serving engine's ``PagedExecutor`` over a random Llama-3-8B (no warm-up of the
 other programs). Decode, per (rows, context): the device's time a step of the decoder's
@@ -21,7 +21,8 @@ XLA options over the step's own (``default``: cuBLAS's GEMMs from 64 rows,
 ``spark_jax.models.wide_gemm``; ``triton_gemm``: XLA's Triton fusions at any width;
 ``no_triton_gemm``: cuBLAS at any width). ``--attention pallas`` forces our
 paged kernels (``KernelOptions.implementation``). With ``$OUT`` set, the figures go to
-``$OUT/decode_step_probe.json``.
+``$OUT/decode_step_probe.json``, and under ``--hlo`` each program's optimized HLO to
+``$OUT/hlo_<program>.txt.gz`` (what each traced fusion holds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
 import tempfile
@@ -117,6 +119,7 @@ class Programs:
     def __init__(self, executor: PagedExecutor, xla: dict[str, Any]):
         self.executor, self.xla = executor, xla
         self.runner = executor.runner
+        self.hlo = ""  # the optimized HLO of the program built last
 
     def table(self, rows: int, keys: int, first_page: int = 0) -> tuple[np.ndarray, int]:
         """A block table whose first ``rows`` rows own pages for ``keys`` keys each."""
@@ -136,6 +139,7 @@ class Programs:
         ex.state = ex.state.with_block_table(upload(table[:rows])).with_lengths(lengths)
         args, _ = self.runner._decode_args(ex.state, tokens, active, None, False)
         compiled = decoder.decode.lower(*args, options=self.runner.options).compile(self.xla)
+        self.hlo = compiled.as_text()
 
         def call() -> Any:  # a copy of the lengths each call: the step donates them
             st = ex.state.with_lengths(jnp.copy(lengths))
@@ -172,6 +176,7 @@ class Programs:
             *mixed, options=options, ragged=True,
         )  # fmt: skip
         compiled = lowered.compile(self.xla)
+        self.hlo = compiled.as_text()
         ex.state = state
 
         def call() -> Any:
@@ -196,6 +201,7 @@ def main() -> None:
     )
     parser.add_argument("--xla", nargs="+", default=["default"], choices=sorted(XLA_OPTIONS))
     parser.add_argument("--prefill", nargs="*", default=[], choices=sorted(PREFILLS))
+    parser.add_argument("--hlo", action="store_true", help="each program's HLO under $OUT")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     plan = SMALL if args.tiny else FULL
@@ -210,15 +216,20 @@ def main() -> None:
     results: dict[str, Any] = {"read_bytes_per_s": read, "device": str(jax.devices()[0])}
     prefills = TINY_PREFILLS if args.tiny else PREFILLS
 
-    def report(name: str, figures: dict[str, Any], floor: float | None = None) -> None:
+    def report(name: str, figures: dict[str, Any], hlo: str, floor: float | None = None) -> None:
         if floor:
             figures |= {"floor_ms": floor * 1e3, "over_floor": figures["ms"] / 1e3 / floor}
         results[name] = figures
         extra = f", floor {floor * 1e3:.3f} ms" if floor else ""
         print(f"{name}: {figures['ms']:.3f} ms a call{extra}", flush=True)
-        if os.environ.get("OUT"):  # after each program: a call cut short keeps what it has
-            with open(os.path.join(os.environ["OUT"], "decode_step_probe.json"), "w") as f:
+        out = os.environ.get("OUT")
+        if out:  # after each program: a call cut short keeps what it has
+            with open(os.path.join(out, "decode_step_probe.json"), "w") as f:
                 json.dump(results, f, indent=1)
+            if args.hlo:
+                file = "hlo_" + "_".join(name.replace("=", "").split()) + ".txt.gz"
+                with gzip.open(os.path.join(out, file), "wt") as f:
+                    f.write(hlo)
 
     for attention in args.attention:
         options = KernelOptions(implementation=None if attention == "default" else attention)
@@ -233,12 +244,13 @@ def main() -> None:
                     kv = rows * context * kv_bytes_per_token(c)
                     floor = (weight_bytes_per_step(c) + kv) / read
                     figures = measured(programs.decode(rows, context), args.traced)
-                    report(f"decode {attention} {xla} rows={rows} ctx={context}", figures, floor)
+                    name = f"decode {attention} {xla} rows={rows} ctx={context}"
+                    report(name, figures, programs.hlo, floor)
             for name in args.prefill:
                 rows, new, cached = prefills[name][:3]
                 figures = measured(programs.prefill(prefills[name]), args.traced)
                 figures["tflop_s"] = rows * prefill_flops(c, 1, new) / figures["ms"] * 1e-9
-                report(f"prefill {name} {attention} {xla}", figures)
+                report(f"prefill {name} {attention} {xla}", figures, programs.hlo)
             jax.clear_caches()
         del executor, model
     print(json.dumps(results, indent=1))
