@@ -19,6 +19,7 @@ the cache in order, so reading the cache never copies it. Every step takes ``opt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from spark_jax.config import ModelConfig
 from spark_jax.models.common import ForwardOutput, bucket, random_params
 from spark_jax.models.params import Declaration, Param, WeightSpec, embedding, linear, norm
 from spark_jax.models.wide_gemm import argument, jit_by_rows
-from spark_jax.ops.attention import attention, cache_attention
+from spark_jax.ops.attention import attention, cache_attention, ragged_query_block
 from spark_jax.ops.kv_cache import KVCache, write_kv
 from spark_jax.ops.layers import GatedMLP, Linear, RMSNorm, apply_rotary, rotary_angles
 from spark_jax.ops.lora import LoraTarget, scope
@@ -140,6 +141,19 @@ def lora_targets(config: ModelConfig) -> dict[str, LoraTarget]:
 # The model.
 
 
+class AttentionRows(NamedTuple):
+    """How a ragged batch's queries are laid out for attention: ``[R, width]`` rows, row i
+    holding ``lengths[i]`` queries at positions ``starts[i]``, ``starts[i] + 1``, ... of
+    cache row ``slots[i]`` (seeing its keys up to its last query), and each token of the flat
+    stream at ``places[j]`` of that layout (``R * width``, out of range: padding)."""
+
+    places: jax.Array  # int32[N]
+    slots: jax.Array  # int32[R]
+    starts: jax.Array  # int32[R]
+    lengths: jax.Array  # int32[R]
+    width: int
+
+
 def ragged_rows(lengths: jax.Array, num_tokens: int) -> jax.Array:
     """A ragged batch's token places: the rows' tokens lie one after another in a flat stream
     of ``num_tokens`` (row 0's ``lengths[0]``, then row 1's, ..., then padding), and token j
@@ -152,6 +166,43 @@ def ragged_rows(lengths: jax.Array, num_tokens: int) -> jax.Array:
     row_ = jnp.minimum(row, r - 1)
     t = j - (ends - lengths)[row_]
     return jnp.where(row < r, row_ * num_tokens + t, r * num_tokens)
+
+
+def chunk_rows(
+    lengths: jax.Array, starts: jax.Array, slots: jax.Array, num_tokens: int
+) -> AttentionRows:
+    """One attention row per chunk of a ragged batch, as long as the stream (``ragged_rows``):
+    R x N places for N tokens, most of them padding."""
+    return AttentionRows(ragged_rows(lengths, num_tokens), slots, starts, lengths, num_tokens)
+
+
+def block_rows(
+    lengths: jax.Array, starts: jax.Array, slots: jax.Array, num_tokens: int, block: int
+) -> AttentionRows:
+    """A ragged batch's chunks cut into attention rows of ``block`` queries: chunk b's
+    ``lengths[b]`` queries take ceil(lengths[b] / block) rows, each starting at its first
+    query's position of cache row ``slots[b]`` (it reads its keys from the cache, which
+    holds the chunk's own by then). N tokens over R chunks take at most
+    (N + R (block - 1)) // block rows, the count the layout has; unused ones see nothing."""
+    r = lengths.shape[0]
+    count = (num_tokens + r * (block - 1)) // block
+    blocks = -(-lengths // block)  # each chunk's rows
+    first = jnp.cumsum(blocks) - blocks
+    row = jnp.arange(count, dtype=jnp.int32)
+    chunk = jnp.searchsorted(jnp.cumsum(blocks), row, side="right").astype(jnp.int32)
+    chunk_ = jnp.minimum(chunk, r - 1)
+    used = chunk < r
+    before = (row - first[chunk_]) * block  # the chunk's queries in earlier rows
+    row_starts = jnp.where(used, starts[chunk_] + before, 0)
+    row_lengths = jnp.where(used, jnp.clip(lengths[chunk_] - before, 0, block), 0)
+    ends = jnp.cumsum(lengths)
+    j = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_chunk = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
+    token_chunk_ = jnp.minimum(token_chunk, r - 1)
+    t = j - (ends - lengths)[token_chunk_]  # the token's index in its chunk
+    place = (first[token_chunk_] + t // block) * block + t % block
+    places = jnp.where(token_chunk < r, place, count * block)
+    return AttentionRows(places, slots[chunk_], row_starts, row_lengths, block)
 
 
 def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
@@ -398,33 +449,66 @@ def _run(
     fresh=False,
     lora=None,
     options: KernelOptions = KernelOptions(),
-    rows=None,
+    rows: AttentionRows | None = None,
     decoding: DecodeRows | None = None,
 ):
     """Runs tokens[B, T] at positions starts[b] + t; returns hidden states and the new cache.
 
     ``fresh``: every row starts a new sequence at position 0 (attention stays in the chunk).
-    ``rows`` (``ragged_rows``): ``tokens`` is a ragged batch's flat ``[N]``, its rows' tokens
-    one after another (``num_new`` each); the hidden states are then ``[N, 1, D]``.
-    ``decoding``: that stream's decode rows (``DecodeRows``), a token each after the rows'.
+    ``rows`` (``AttentionRows``): ``tokens`` is a ragged batch's flat ``[N]``, its rows'
+    tokens one after another (``num_new`` each), laid out for attention as ``rows`` says; the
+    hidden states are then ``[N, 1, D]``. ``decoding``: that stream's decode rows
+    (``DecodeRows``), a token each after the rows'.
     """
     model = DecoderLM(config, _params_dtype(params), options)
-    t = tokens.shape[0] if rows is not None else tokens.shape[1]
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     key_lengths = starts + num_new
-    mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
-    if rows is not None:  # each token a row of its own for the matmuls, at its own position
-        places = jnp.minimum(rows, positions.size - 1)
-        tokens, positions = tokens[:, None], positions.reshape(-1)[places][:, None]
+    places, attention_slots = None, slots
+    if rows is None:
+        positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        mask = AttentionMask(query_positions=positions, key_lengths=key_lengths)
+    else:  # each token a row of its own for the matmuls, at its own position
+        positions = rows.starts[:, None] + jnp.arange(rows.width, dtype=jnp.int32)[None, :]
+        mask = AttentionMask(query_positions=positions, key_lengths=rows.starts + rows.lengths)
+        places, attention_slots = rows.places, rows.slots
+        flat = jnp.minimum(places, positions.size - 1)
+        tokens, positions = tokens[:, None], positions.reshape(-1)[flat][:, None]
     if decoding is not None:
         positions = positions.at[decoding.places].set(decoding.positions, mode="drop")
-    apply = (tokens, positions, mask, kv, slots, fresh, lora, rows, decoding)
+    apply = (tokens, positions, mask, kv, attention_slots, fresh, lora, places, decoding)
     hidden, kv = model.apply({"params": params}, *apply)
     written = jnp.arange(kv.num_slots) if slots is None else slots
     lengths = kv.lengths.at[written].set(key_lengths)
     if decoding is not None:
         lengths = lengths.at[decoding.slots].set(decoding.mask.key_lengths, mode="drop")
     return model, hidden, kv.with_lengths(lengths)
+
+
+def _attention_rows(
+    config: ModelConfig,
+    params,
+    lengths: jax.Array,
+    starts: jax.Array,
+    slots: jax.Array,
+    num_tokens: int,
+    kv: KVCache,
+    fresh: bool,
+    options: KernelOptions,
+) -> tuple[AttentionRows, KernelOptions]:
+    """A ragged prefill's attention layout, and the options its layers run under: rows of
+    ``ragged_query_block`` queries (for chunks appending to the cache), read in place by the
+    flash kernel where it applies, else a row per chunk."""
+    block = None
+    if not fresh:
+        c = config
+        windowed = any(w is not None for w in c.sliding_windows)
+        block = ragged_query_block(
+            num_tokens, lengths.shape[0], c.num_heads, c.head_dim, _params_dtype(params),
+            kv.k[0], windowed, options,
+        )  # fmt: skip
+    if block is None:
+        return chunk_rows(lengths, starts, slots, num_tokens), options
+    rows = block_rows(lengths, starts, slots, num_tokens, block)
+    return rows, dataclasses.replace(options, paged_flash_prefill=True)
 
 
 @jit_by_rows(
@@ -466,7 +550,11 @@ def prefill(
     """
     starts = jnp.zeros_like(lengths) if fresh else kv.lengths[slots]
     n = tokens.shape[0]
-    rows = ragged_rows(lengths, n) if ragged else None
+    rows = None
+    if ragged:
+        rows, options = _attention_rows(
+            config, params, lengths, starts, slots, n, kv, fresh, options
+        )
     decoding = None
     if decode_slots is not None:
         decoding = decode_rows(kv.lengths, decode_slots, jnp.sum(lengths), n)
@@ -480,7 +568,7 @@ def prefill(
         if decoding is not None:
             last = jnp.concatenate([last, take_places(hidden, decoding.places)])
         if with_hidden:
-            hidden = to_rows(hidden, rows, (lengths.shape[0], tokens.shape[0]))
+            hidden = to_rows(hidden, ragged_rows(lengths, n), (lengths.shape[0], n))
     else:
         last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     logits = model.apply({"params": params}, last[:, 0], method=DecoderLM.logits)

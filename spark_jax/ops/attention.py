@@ -464,6 +464,40 @@ def pallas_paged_prefill_attention(
     )
 
 
+# Queries per attention row of a ragged prefill's block layout: the tuned prefill kernel's
+# rows per program (``prefill_tuning``: two consumer warpgroups of 64), so every row is one
+# persistent program's tile and its length a multiple of the kernel's 128-key blocks' match.
+RAGGED_QUERY_BLOCK = 128
+
+
+def ragged_query_block(
+    num_tokens: int,
+    num_rows: int,
+    q_heads: int,
+    head_dim: int,
+    dtype: Any,
+    k_cache: Any,
+    windowed: bool,
+    options: KernelOptions = KernelOptions(),
+) -> int | None:
+    """The queries per attention row of a ragged prefill of ``num_tokens`` over ``num_rows``
+    rows appending to ``k_cache`` (``options.ragged_query_blocks``): the option's where it
+    gives one, else ``RAGGED_QUERY_BLOCK`` where the flash kernel reads the pages in place
+    for that layout (no layer ``windowed``); None: one row per chunk, as long as the
+    stream."""
+    if options.ragged_query_blocks is not None:
+        return options.ragged_query_blocks or None
+    if windowed or options.mesh is not None or not isinstance(k_cache, PagedLayer):
+        return None
+    if is_narrow(k_cache):
+        return None
+    block = RAGGED_QUERY_BLOCK
+    rows = (num_tokens + num_rows * (block - 1)) // block
+    q = jax.ShapeDtypeStruct((rows, block, q_heads, head_dim), dtype)
+    in_place = dataclasses.replace(options, paged_flash_prefill=True)
+    return block if paged_kernel(q, k_cache, None, in_place) == "flash" else None
+
+
 _PAGED_CHUNKS = (256, 128, 64)  # keys per program of the paged kernel, largest first
 
 

@@ -37,6 +37,17 @@ class KernelOptions:
     layer padded to 640, 0.077 against 0.067 at 576; ``benchmarks/paged_prefill_probe.py``),
     so off: the gather is cheap beside the prefill's matmuls.
 
+    ``ragged_query_blocks``: how a ragged prefill appending to the cache (the serving
+    engine's) lays its queries out for attention. In blocks: rows of 128 queries (a chunk of
+    n queries takes ceil(n / 128) rows, each seeing its row's cache up to its last query, so
+    N tokens over R chunks fill about N + 127 R places), read by the flash kernel over the
+    pages in place. By chunk: one row per chunk as long as the stream (R x N places, most of
+    them padding that the layout's copies and the kernel's tiles still pay for). None takes
+    blocks where the flash kernel reads a paged cache in place (Hopper, no window, a
+    bf16/f16 cache), 0 one row per chunk everywhere, n > 0 rows of n queries everywhere
+    (elsewhere they read gathered rows, one copy of a chunk's pages per block: for checks of
+    one layout against the other).
+
     ``flash_decode_min_programs``: a one-token step with at least this many (row, kv head)
     programs walks its keys through the flash kernel (B=64, K=8: 2.55-4.17 TB/s against the
     split-K kernel's 1.42-2.92); fewer leave SMs idle (B=1, K=8: 0.07-0.11 TB/s against
@@ -79,6 +90,7 @@ class KernelOptions:
     implementation: str | None = None
     flash_prefill: bool = True
     paged_flash_prefill: bool = False
+    ragged_query_blocks: int | None = None
     flash_decode_min_programs: int = 256
     one_query_max_keys: int = 256
     paged_walk_stages: int = 3
@@ -97,5 +109,10 @@ class KernelOptions:
             )
         if not 2 <= self.paged_walk_stages <= 8:
             raise ValueError(f"paged_walk_stages is {self.paged_walk_stages}: give 2 to 8")
+        if self.ragged_query_blocks is not None and self.ragged_query_blocks < 0:
+            raise ValueError(
+                f"ragged_query_blocks is {self.ragged_query_blocks}: give None (the dispatch "
+                "picks), 0 (a row per chunk) or the queries per row"
+            )
         if self.paged_walk_consumers not in (0, 1):  # the decode walk's one 64-row block
             raise ValueError(f"paged_walk_consumers is {self.paged_walk_consumers}: give 0 or 1")

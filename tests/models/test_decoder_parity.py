@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from helpers import random_prompt
@@ -95,3 +97,42 @@ def test_mixed_step_decodes_rows_beside_a_ragged_prefill(hf_and_model):
     rel = np.abs(got - refs).max() / np.abs(refs).max()
     assert rel <= 1e-4, f"{name}: relative error {rel:.2e}"
     np.testing.assert_array_equal(np.asarray(state.lengths)[[4, 0, 2, 5]], [6, 11, 7, 4])
+
+
+def test_continuing_chunks_in_query_blocks_give_hfs_logits(hf_and_model):
+    """A ragged prefill continuing its rows, its queries laid out for attention in rows of
+    three (``KernelOptions.ragged_query_blocks``: a chunk of 11 takes four rows, an empty
+    chunk none, the layout's spare rows nothing) with decode rows riding, against HF: the
+    same logits as one row per chunk gives, and the cache lengths after."""
+    name, hf, base = hf_and_model
+    prompts = [random_prompt(40 + i, n) for i, n in enumerate((5, 13, 1, 9))]
+    decoded = [random_prompt(50 + i, n) for i, n in enumerate((7, 4))]
+    refs = np.stack([_hf_logits(hf, p)[-1] for p in (*prompts, *decoded)])
+    cut = [1, 2, 1, 0]  # second chunks of 4, 11, 0 and 9 queries
+    got = {}
+    for blocks in (0, 3):
+        options = dataclasses.replace(base.options, ragged_query_blocks=blocks)
+        runner = sj.Model(base.config, base.params, options=options).runner
+        state = runner.init_state(8, 32)
+        first = [p[:c] for p, c in zip(prompts, cut, strict=True)]
+        first += [p[:-1] for p in decoded]
+        _, state = runner.prefill(state, [4, 0, 2, 5, 6, 7], first, min_len=32, ragged=True)
+        last_tokens = np.zeros((8,), np.int32)
+        last_tokens[[6, 7]] = [p[-1] for p in decoded]
+        logits, state = runner.prefill(
+            state,
+            [4, 0, 2, 5],
+            [p[c:] for p, c in zip(prompts, cut, strict=True)],
+            continuing=True,
+            min_len=32,
+            ragged=True,
+            decode_slots=[6, 7, 8],
+            last_tokens=np.asarray(last_tokens),
+        )
+        rows = np.concatenate([np.asarray(x) for x in logits])[[0, 1, 3, 4, 5]]
+        rel = np.abs(rows - refs[[0, 1, 3, 4, 5]]).max() / np.abs(refs).max()
+        assert rel <= 1e-4, f"{name}, blocks of {blocks}: relative error {rel:.2e}"
+        lengths = np.asarray(state.lengths)[[4, 0, 2, 5, 6, 7]]
+        np.testing.assert_array_equal(lengths, [5, 13, 1, 9, 7, 4])
+        got[blocks] = rows
+    np.testing.assert_allclose(got[3], got[0], rtol=0, atol=1e-5 * np.abs(refs).max())
