@@ -2,7 +2,7 @@
 beside its read floor, for the decode step and for the ragged prefill the engine runs.
 
     PYTHONPATH=. python benchmarks/decode_step_probe.py [--rows 1 64] [--context 300 2000]
-        [--attention default pallas chunk_rows] [--xla default no_triton_gemm]
+        [--attention default pallas chunk_rows query_blocks] [--xla default no_triton_gemm]
         [--prefill cached_wave cached_wave_alone c64_step] [--hlo] [--tiny]
 
 Builds the serving engine's ``PagedExecutor`` over a random Llama-3-8B (no warm-up of the
@@ -20,8 +20,9 @@ stream of 1 024, a C=64 step that admits. ``--xla`` compiles each program once p
 XLA options over the step's own (``default``: cuBLAS's GEMMs from 64 rows,
 ``spark_jax.models.wide_gemm``; ``triton_gemm``: XLA's Triton fusions at any width;
 ``no_triton_gemm``: cuBLAS at any width). ``--attention pallas`` forces our
-paged kernels (``KernelOptions.implementation``), ``chunk_rows`` lays a prefill's queries
-out one attention row per chunk (``KernelOptions.ragged_query_blocks``). With ``$OUT`` set,
+paged kernels (``KernelOptions.implementation``); ``chunk_rows`` lays a prefill's queries
+out one attention row per chunk, ``query_blocks`` in rows of 128 where the flash kernel reads
+the pages in place (``KernelOptions.ragged_query_blocks`` 0 and None). With ``$OUT`` set,
 the figures go to ``$OUT/decode_step_probe.json``, and under ``--hlo`` each program's
 optimized HLO to ``$OUT/hlo_<program>.txt.gz`` (what each traced fusion holds).
 """
@@ -59,6 +60,7 @@ ATTENTION = {
     "default": KernelOptions(),
     "pallas": KernelOptions(implementation="pallas"),
     "chunk_rows": KernelOptions(ragged_query_blocks=0),
+    "query_blocks": KernelOptions(ragged_query_blocks=None),
 }
 # "default": the step's own (``spark_jax.models.wide_gemm``: cuBLAS's GEMMs from 64 rows).
 XLA_OPTIONS = {
@@ -204,7 +206,7 @@ def main() -> None:
         default=["default"],
         choices=sorted(ATTENTION),
         help="the dispatch's pick, our paged kernels forced, or a prefill's attention rows one "
-        "per chunk (KernelOptions.ragged_query_blocks=0)",
+        "per chunk or in blocks of 128 (KernelOptions.ragged_query_blocks 0 or None)",
     )
     parser.add_argument("--xla", nargs="+", default=["default"], choices=sorted(XLA_OPTIONS))
     parser.add_argument("--prefill", nargs="*", default=[], choices=sorted(PREFILLS))

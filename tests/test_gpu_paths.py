@@ -77,23 +77,30 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
 
 
 @pytest.mark.parametrize(
-    "implementation, shortest, kv_pages",
-    [(None, 3, None), (None, 3, 100), ("pallas", 33, None)],
-    ids=["dispatch", "dispatch-small-pool", "pallas"],
+    "options, shortest, kv_pages",
+    [
+        (sj.KernelOptions(), 3, None),
+        (sj.KernelOptions(), 3, 100),
+        (sj.KernelOptions(ragged_query_blocks=None), 3, None),
+        (sj.KernelOptions(implementation="pallas"), 33, None),
+    ],
+    ids=["dispatch", "dispatch-small-pool", "dispatch-query-blocks", "pallas"],
 )
-def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, shortest, kv_pages):
-    """``None``: what the dispatch picks on this GPU (cuDNN decode, dense and paged; our flash
-    kernel for prefill, ``KernelOptions.flash_prefill``); with a pool of 100 pages cuDNN's
-    paged attention cannot take the engine's 16-row step (the pool must split into 16 tables)
-    and our paged kernel reads the pages instead. ``"pallas"``: every
-    attention through our kernels (flash prefill, split-K decode, paged decode, the paged
-    kernel's causal rows for an engine's second prefill chunk); its prompts are 33 tokens or
-    more, so every prefill bucket is a multiple of the kernels' 64-key blocks."""
+def test_optimized_attention_gives_the_plain_xla_greedy_tokens(options, shortest, kv_pages):
+    """The default options: what the dispatch picks on this GPU (cuDNN decode, dense and
+    paged; our flash kernel for prefill, ``KernelOptions.flash_prefill``); with a pool of 100
+    pages cuDNN's paged attention cannot take the engine's 16-row step (the pool must split
+    into 16 tables) and our paged kernel reads the pages instead. ``ragged_query_blocks=None``:
+    the engine's prefills in rows of 128 queries, the flash kernel reading the pages in
+    place. ``"pallas"``: every attention through our kernels (flash prefill, split-K decode,
+    paged decode, the paged kernel's causal rows for an engine's second prefill chunk); its
+    prompts are 33 tokens or more, so every prefill bucket is a multiple of the kernels'
+    64-key blocks."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(shortest, 90, 10)
     prompts = [rng.integers(0, CONFIG.vocab_size, int(n)).tolist() for n in lengths]
     pool = {} if kv_pages is None else {"kv_pages": kv_pages}
-    fast_model = _model(sj.KernelOptions(implementation=implementation))
+    fast_model = _model(options)
     fast = _greedy(fast_model, prompts, **pool)
     if kv_pages is not None:
         widest = Engine(fast_model, max_num_seqs=16, max_model_len=128, kv_pages=kv_pages)
@@ -106,7 +113,7 @@ def test_optimized_attention_gives_the_plain_xla_greedy_tokens(implementation, s
         for i, (ref, out) in enumerate(zip(plain, fast, strict=True))
         if ref != out
     ]
-    print(f"{implementation}: {len(gaps)} of {len(fast)} sequences differ; top-2 gaps: {gaps}")
+    print(f"{options}: {len(gaps)} of {len(fast)} sequences differ; top-2 gaps: {gaps}")
     assert all(gap < NEAR_TIE for gap in gaps), gaps
 
 

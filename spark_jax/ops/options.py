@@ -46,7 +46,8 @@ class KernelOptions:
     blocks where the flash kernel reads a paged cache in place (Hopper, no window, a
     bf16/f16 cache), 0 one row per chunk everywhere, n > 0 rows of n queries everywhere
     (elsewhere they read gathered rows, one copy of a chunk's pages per block: for checks of
-    one layout against the other).
+    one layout against the other). The default stays 0 until None is measured on a GPU
+    (``benchmarks/decode_step_probe.py --attention chunk_rows query_blocks``).
 
     ``flash_decode_min_programs``: a one-token step with at least this many (row, kv head)
     programs walks its keys through the flash kernel (B=64, K=8: 2.55-4.17 TB/s against the
@@ -90,7 +91,7 @@ class KernelOptions:
     implementation: str | None = None
     flash_prefill: bool = True
     paged_flash_prefill: bool = False
-    ragged_query_blocks: int | None = None
+    ragged_query_blocks: int | None = 0
     flash_decode_min_programs: int = 256
     one_query_max_keys: int = 256
     paged_walk_stages: int = 3
