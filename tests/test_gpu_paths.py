@@ -81,21 +81,22 @@ def _gap_at_first_difference(model, prompt, reference, other) -> float:
     [
         (sj.KernelOptions(), 3, None),
         (sj.KernelOptions(), 3, 100),
-        (sj.KernelOptions(ragged_query_blocks=None), 3, None),
+        (sj.KernelOptions(ragged_query_blocks=0), 3, None),
         (sj.KernelOptions(implementation="pallas"), 33, None),
     ],
-    ids=["dispatch", "dispatch-small-pool", "dispatch-query-blocks", "pallas"],
+    ids=["dispatch", "dispatch-small-pool", "dispatch-chunk-rows", "pallas"],
 )
 def test_optimized_attention_gives_the_plain_xla_greedy_tokens(options, shortest, kv_pages):
     """The default options: what the dispatch picks on this GPU (cuDNN decode, dense and
     paged; our flash kernel for prefill, ``KernelOptions.flash_prefill``); with a pool of 100
     pages cuDNN's paged attention cannot take the engine's 16-row step (the pool must split
-    into 16 tables) and our paged kernel reads the pages instead. ``ragged_query_blocks=None``:
-    the engine's prefills in rows of 128 queries, the flash kernel reading the pages in
-    place. ``"pallas"``: every attention through our kernels (flash prefill, split-K decode,
-    paged decode, the paged kernel's causal rows for an engine's second prefill chunk); its
-    prompts are 33 tokens or more, so every prefill bucket is a multiple of the kernels'
-    64-key blocks."""
+    into 16 tables) and our paged kernel reads the pages instead; the default's engine lays
+    its prefills' queries out in rows of 128 (``KernelOptions.ragged_query_blocks``), the
+    flash kernel reading the pages in place, and ``ragged_query_blocks=0`` one row per chunk
+    over gathered pages. ``"pallas"``: every attention through our kernels (flash prefill,
+    split-K decode, paged decode, the paged kernel's causal rows for an engine's second
+    prefill chunk); its prompts are 33 tokens or more, so every prefill bucket is a multiple
+    of the kernels' 64-key blocks."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(shortest, 90, 10)
     prompts = [rng.integers(0, CONFIG.vocab_size, int(n)).tolist() for n in lengths]
