@@ -465,8 +465,8 @@ def pallas_paged_prefill_attention(
 
 
 # Queries per attention row of a ragged prefill's block layout: the tuned prefill kernel's
-# rows per program (``prefill_tuning``: two consumer warpgroups of 64), so every row is one
-# persistent program's tile and its length a multiple of the kernel's 128-key blocks' match.
+# rows per tile (``prefill_tuning``: two consumer warpgroups of 64), so each row is one tile
+# of the persistent kernel and every layout meets the tuning's multiple of 128.
 RAGGED_QUERY_BLOCK = 128
 
 
@@ -487,9 +487,8 @@ def ragged_query_block(
     stream."""
     if options.ragged_query_blocks is not None:
         return options.ragged_query_blocks or None
-    if windowed or options.mesh is not None or not isinstance(k_cache, PagedLayer):
-        return None
-    if is_narrow(k_cache):
+    paged = isinstance(k_cache, PagedLayer) and not is_narrow(k_cache)  # bf16/f16 pages
+    if windowed or options.mesh is not None or not paged:
         return None
     block = RAGGED_QUERY_BLOCK
     rows = (num_tokens + num_rows * (block - 1)) // block
