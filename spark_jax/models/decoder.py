@@ -376,7 +376,7 @@ class DecoderLM(nn.Module):
         rows=None,
         decoding=None,
     ):
-        """``rows``: a ragged batch's token places (``ragged_rows``): ``tokens`` and
+        """``rows``: a ragged batch's token places (``AttentionRows.places``): ``tokens`` and
         ``positions`` are then ``[N, 1]`` (one token a row for every matmul) and ``mask``
         describes the ``[R, T]`` rows the attention sees. ``decoding`` (``DecodeRows``): the
         stream's decode rows, one token each after the ragged rows'."""
