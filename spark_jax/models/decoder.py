@@ -154,18 +154,24 @@ class AttentionRows(NamedTuple):
     width: int
 
 
+def _owners(sizes: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Items 0..n-1 laid out one after another, ``sizes[b]`` of them for owner b, then the
+    rest unowned: each item's owner (the last for an unowned one), whether it has one, and
+    its index within its owner."""
+    ends = jnp.cumsum(sizes)
+    i = jnp.arange(n, dtype=jnp.int32)
+    owner = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    owner_ = jnp.minimum(owner, sizes.shape[0] - 1)
+    return owner_, owner < sizes.shape[0], i - (ends - sizes)[owner_]
+
+
 def ragged_rows(lengths: jax.Array, num_tokens: int) -> jax.Array:
     """A ragged batch's token places: the rows' tokens lie one after another in a flat stream
     of ``num_tokens`` (row 0's ``lengths[0]``, then row 1's, ..., then padding), and token j
     goes to place ``row * T + t`` of the rows' ``[R, T]`` layout (T = ``num_tokens``: one
     row may hold them all); padding goes to ``R * T``, out of range, so it is dropped."""
-    ends = jnp.cumsum(lengths)
-    j = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
-    r = lengths.shape[0]
-    row_ = jnp.minimum(row, r - 1)
-    t = j - (ends - lengths)[row_]
-    return jnp.where(row < r, row_ * num_tokens + t, r * num_tokens)
+    row, real, t = _owners(lengths, num_tokens)
+    return jnp.where(real, row * num_tokens + t, lengths.shape[0] * num_tokens)
 
 
 def chunk_rows(
@@ -184,25 +190,17 @@ def block_rows(
     query's position of cache row ``slots[b]`` (it reads its keys from the cache, which
     holds the chunk's own by then). N tokens over R chunks take at most
     (N + R (block - 1)) // block rows, the count the layout has; unused ones see nothing."""
-    r = lengths.shape[0]
-    count = (num_tokens + r * (block - 1)) // block
+    count = (num_tokens + lengths.shape[0] * (block - 1)) // block
     blocks = -(-lengths // block)  # each chunk's rows
-    first = jnp.cumsum(blocks) - blocks
-    row = jnp.arange(count, dtype=jnp.int32)
-    chunk = jnp.searchsorted(jnp.cumsum(blocks), row, side="right").astype(jnp.int32)
-    chunk_ = jnp.minimum(chunk, r - 1)
-    used = chunk < r
-    before = (row - first[chunk_]) * block  # the chunk's queries in earlier rows
-    row_starts = jnp.where(used, starts[chunk_] + before, 0)
-    row_lengths = jnp.where(used, jnp.clip(lengths[chunk_] - before, 0, block), 0)
-    ends = jnp.cumsum(lengths)
-    j = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_chunk = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
-    token_chunk_ = jnp.minimum(token_chunk, r - 1)
-    t = j - (ends - lengths)[token_chunk_]  # the token's index in its chunk
-    place = (first[token_chunk_] + t // block) * block + t % block
-    places = jnp.where(token_chunk < r, place, count * block)
-    return AttentionRows(places, slots[chunk_], row_starts, row_lengths, block)
+    chunk, used, row_in_chunk = _owners(blocks, count)
+    before = row_in_chunk * block  # the chunk's queries in earlier rows
+    row_starts = jnp.where(used, starts[chunk] + before, 0)
+    row_lengths = jnp.where(used, jnp.clip(lengths[chunk] - before, 0, block), 0)
+    token_chunk, real, t = _owners(lengths, num_tokens)  # t: the token's index in its chunk
+    first = jnp.cumsum(blocks) - blocks  # each chunk's first row
+    place = (first[token_chunk] + t // block) * block + t % block
+    places = jnp.where(real, place, count * block)
+    return AttentionRows(places, slots[chunk], row_starts, row_lengths, block)
 
 
 def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
