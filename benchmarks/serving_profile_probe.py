@@ -3,14 +3,17 @@ once per decode-steps-per-call setting, each then profiled in a pass of its own,
 the host does while the device idles.
 
     PYTHONPATH=. python benchmarks/serving_profile_probe.py [--concurrency 64 256] [--slots 64]
-        [--num-scheduler-steps 1 4] [--no-profile] [--prefill-batches padded ragged mixed]
-        [--max-batch-tokens 512 1024] [--max-prefill-seqs 4 8] [--python-tracer on|off]
+        [--num-scheduler-steps 1 4] [--step-token-budgets 0 256 512] [--no-profile]
+        [--prefill-batches padded ragged mixed] [--max-batch-tokens 512 1024]
+        [--max-prefill-seqs 4 8] [--python-tracer on|off]
         [--shared] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
 in them (``mixed_batches=True``), and runs every level on each: a same-call A/B.
-``--max-batch-tokens`` and ``--max-prefill-seqs`` likewise build an engine per step budget
+``--step-token-budgets`` runs each level under each cap of the scheduler's tokens a step
+(``max_num_batched_tokens``) on the same engine. ``--max-batch-tokens`` and
+``--max-prefill-seqs`` build an engine per step budget
 and per most prompts in a prefill batch (a smaller budget hides more of the riding decode
 rows' weight reads under the prefill's matmuls, at more steps a prompt; more prompts admit a
 wave of requests in one step, at a wider attention layout). Each level
@@ -68,6 +71,14 @@ def main() -> None:
         help="[B, T] (padded), ragged, or ragged with the decode rows (mixed): an engine each",
     )
     parser.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--step-token-budgets",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="the scheduler's max_num_batched_tokens (decode rows included; 0: none), each "
+        "run on the same engine (no new programs: the budget only cuts the chunks)",
+    )
     parser.add_argument(
         "--max-batch-tokens",
         type=int,
@@ -137,16 +148,25 @@ def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
         context = int(np.mean([len(p) + n / 2 for p, n in requests]))
         bare = bare_decode_seconds(engine, context, rows=width) * 1e3
         print(f"C={c}: bare decode step, {width} rows, ~{context} keys: {bare:.2f} ms", flush=True)
-        for steps in args.num_scheduler_steps:
+        for steps, budget in itertools.product(args.num_scheduler_steps, args.step_token_budgets):
+            if budget and budget < c + plan.min_chunk:
+                print(f"C={c}: step budget {budget} leaves no chunk beside {c} rows: skipped")
+                continue
             engine.num_scheduler_steps = steps  # the chunk's programs are compiled for ``most``
+            # Past the engine's check (room for a chunk beside every slot): a probe's budget
+            # need only leave room beside this level's rows.
+            engine.scheduler.max_num_batched_tokens = budget or None
             calls = engine.executor.num_multi_step_calls
+            mixed = engine.executor.num_mixed_steps
             level = run_level(engine, requests, c)
             figures = {k: level.get(k) for k in keys}
             figures["multi_step_calls"] = engine.executor.num_multi_step_calls - calls
-            print(f"C={c}, steps per call {steps}:", json.dumps(figures, indent=1), flush=True)
+            figures["mixed_steps"] = engine.executor.num_mixed_steps - mixed
+            name = f"C={c}, steps per call {steps}, step budget {budget or 'none'}"
+            print(f"{name}:", json.dumps(figures, indent=1), flush=True)
             if not args.no_profile:
                 idle = profiled_idle(engine, requests, c, args.python_tracer == "on")
-                print(f"C={c}, steps per call {steps}, profiled:", json.dumps(idle, indent=1))
+                print(f"{name}, profiled:", json.dumps(idle, indent=1))
 
 
 def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
