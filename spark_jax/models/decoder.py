@@ -10,7 +10,6 @@ the H200, DESIGN.md). Every step is one function of (params, tokens, cache):
       the rows' tokens: (logits[B,V], logits[S,V]))
     decode(params, config, tokens[B], active[B], kv)               -> (logits[B,V], kv)
     verify(params, config, tokens[B,T], lengths[B], kv)            -> (logits[B,T,V], kv)
-    verify_hidden(...same...)                     -> ((logits[B,T,V], hidden[B,T,D]), kv)
 
 ``prefill`` writes rows ``slots`` of the cache; ``decode`` and ``verify`` run every row of
 the cache in order, so reading the cache never copies it. Every step takes ``options``
@@ -666,8 +665,8 @@ def decode_returning_inputs(
     the host wait for that program on the H200; ``spark_jax.serving.executor._pick_rows``).
     They come first because jit pairs each output with the first donated input of its shape
     and dtype: after the cache, the lengths (int32[B]) would take the tokens' buffer."""
-    hidden = {"with_hidden": True} if with_hidden else {}
-    out, kv = decode(params, config, tokens, active, kv, lora, options=options, **hidden)
+    kwargs = _hidden_kwargs(options, with_hidden)
+    out, kv = decode(params, config, tokens, active, kv, lora, **kwargs)
     return (tokens, active), out, kv
 
 
@@ -679,7 +678,7 @@ def _decode_rows(
     return decode(params, config, tokens, active, kv, lora, options=options)
 
 
-@jit_by_rows(TOKENS, static_argnames=("config", "options"), donate_argnames=("kv",))
+@jit_by_rows(TOKENS, static_argnames=("config", "options", "with_hidden"), donate_argnames=("kv",))
 def verify(
     params,
     config: ModelConfig,
@@ -689,49 +688,40 @@ def verify(
     lora=None,
     *,
     options: KernelOptions = KernelOptions(),
-) -> tuple[jax.Array, KVCache]:
-    """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position."""
+    with_hidden: bool = False,
+) -> tuple[Any, KVCache]:
+    """Scores tokens[B, T] (first ``lengths[b]`` real) for every row; logits at every position.
+    ``with_hidden``: (logits, the final hidden states [B, T, D]) in place of the logits (a
+    draft head reads them: ``spark_jax.models.draft_head``); a program of its own, so the
+    plain verify step never writes them out."""
     model, hidden, kv = _run(
         params, config, tokens, kv.lengths, lengths, None, kv, lora=lora, options=options
     )
     logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
-    return logits, kv
+    return ((logits, hidden) if with_hidden else logits), kv
 
 
 def _verify_rows(
-    params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
-):
-    """``verify`` with the config and options bound, in the argument order of
-    ``Runner.verify_fn``."""
-    return verify(params, config, tokens, lengths, kv, lora, options=options)
-
-
-@jit_by_rows(TOKENS, static_argnames=("config", "options"), donate_argnames=("kv",))
-def verify_hidden(
     params,
-    config: ModelConfig,
     tokens,
     lengths,
     kv: KVCache,
-    lora=None,
+    lora,
     *,
-    options: KernelOptions = KernelOptions(),
-) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
-    """``verify`` that also returns the final hidden states: ((logits[B,T,V], hidden[B,T,D]),
-    kv). A program of its own, so the plain verify step never writes the hidden states out
-    (a draft head reads them; spark_jax.models.draft_head)."""
-    model, hidden, kv = _run(
-        params, config, tokens, kv.lengths, lengths, None, kv, lora=lora, options=options
-    )
-    logits = model.apply({"params": params}, hidden, method=DecoderLM.logits)
-    return (logits, hidden), kv
-
-
-def _verify_hidden_rows(
-    params, tokens, lengths, kv: KVCache, lora, *, config: ModelConfig, options: KernelOptions
+    config: ModelConfig,
+    options: KernelOptions,
+    with_hidden: bool = False,
 ):
-    """``verify_hidden`` in the argument order of ``Runner.verify_hidden_fn``."""
-    return verify_hidden(params, config, tokens, lengths, kv, lora, options=options)
+    """``verify`` with the config and options bound, in the argument order of
+    ``Runner.verify_fn`` (``verify_hidden_fn``: ``with_hidden`` bound too)."""
+    kwargs = _hidden_kwargs(options, with_hidden)
+    return verify(params, config, tokens, lengths, kv, lora, **kwargs)
+
+
+def _hidden_kwargs(options: KernelOptions, with_hidden: bool) -> dict[str, Any]:
+    """A step's keyword arguments; ``with_hidden`` only when set (jit keys a keyword passed
+    apart from one left to its default: passing False would compile the program again)."""
+    return {"options": options} | ({"with_hidden": True} if with_hidden else {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,7 +835,9 @@ class Runner:
         # so a jit taking it as a static argument compiles once per model).
         self.decode_fn = partial(_decode_rows, config=config, options=options)
         self.verify_fn = partial(_verify_rows, config=config, options=options)
-        self.verify_hidden_fn = partial(_verify_hidden_rows, config=config, options=options)
+        self.verify_hidden_fn = partial(
+            _verify_rows, config=config, options=options, with_hidden=True
+        )
 
     def init_state(self, num_slots: int, max_len: int, max_prompt_len: int = 0) -> KVCache:
         del max_prompt_len  # the self-attention cache holds the prompt
@@ -945,10 +937,9 @@ class Runner:
             jnp.asarray(slots, jnp.int32),
             state,
         )
-        kwargs = {"fresh": not continuing, "lora": lora, "options": self.options}
+        kwargs = {"fresh": not continuing, "lora": lora} | _hidden_kwargs(self.options, with_hidden)
         kwargs |= dict(zip(("decode_slots", "last_tokens"), mixed, strict=False))
-        kwargs |= {"ragged": True} if ragged else {}
-        return args, kwargs | ({"with_hidden": True} if with_hidden else {})
+        return args, kwargs | ({"ragged": True} if ragged else {})
 
     def prefill_held(
         self,
@@ -1013,7 +1004,7 @@ class Runner:
         with_hidden: bool,
     ) -> tuple[tuple, dict[str, Any]]:
         """A decode step's positional and keyword arguments."""
-        kwargs = {"options": self.options} | ({"with_hidden": True} if with_hidden else {})
+        kwargs = _hidden_kwargs(self.options, with_hidden)
         return (self.params, self.config, tokens, active, state, self._lora(adapters)), kwargs
 
     def verify(
@@ -1025,9 +1016,10 @@ class Runner:
         with_hidden: bool = False,
     ) -> tuple[Any, KVCache]:
         """``with_hidden``: (logits, hidden states [B, T, D]) in place of the logits."""
-        lora = self._lora(adapters)
-        step = verify_hidden if with_hidden else verify
-        return step(self.params, self.config, tokens, lengths, state, lora, options=self.options)
+        kwargs = _hidden_kwargs(self.options, with_hidden)
+        return verify(
+            self.params, self.config, tokens, lengths, state, self._lora(adapters), **kwargs
+        )
 
     def lower_verify(
         self,
@@ -1038,11 +1030,9 @@ class Runner:
         with_hidden: bool = False,
     ) -> jax.stages.Lowered:
         """``verify``'s program for these inputs, traced but neither compiled nor run."""
+        kwargs = _hidden_kwargs(self.options, with_hidden)
         lora = self._lora(adapters)
-        step = verify_hidden if with_hidden else verify
-        return step.lower(
-            self.params, self.config, tokens, lengths, state, lora, options=self.options
-        )
+        return verify.lower(self.params, self.config, tokens, lengths, state, lora, **kwargs)
 
     @property
     def _fuse_lora(self) -> bool:
