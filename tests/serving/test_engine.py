@@ -135,6 +135,30 @@ def test_64_mixed_requests_give_the_tokens_each_gives_alone(tiny_llama, invarian
     assert {r.finish_reason for r in results} == {"length", "stop"}
 
 
+def test_plain_greedy_picks_take_the_argmax_program_and_the_samplers_tokens(engine, monkeypatch):
+    """Picks whose rows are all plain greedy run ``_pick_greedy_rows`` (no token counts read
+    or written); the same requests asking for logprobs (not plain greedy: the whole sampler)
+    give the same tokens."""
+    calls = []
+    greedy = executor_module._pick_greedy_rows
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return greedy(*args)
+
+    monkeypatch.setattr(executor_module, "_pick_greedy_rows", spy)
+    prompts = [random_prompt(700 + i, 5 + 23 * i) for i in range(6)]
+    plain = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with CompileCounter() as counter:
+        argmax = engine.generate_many(prompts, [plain] * len(prompts))
+        picked = len(calls)
+        sampler = engine.generate_many(prompts, [dataclasses.replace(plain, logprobs=0)] * 6)
+    assert counter.count == 0
+    assert picked > 0 and len(calls) == picked  # the second run never took the argmax program
+    assert [r.output_tokens for r in argmax] == [r.output_tokens for r in sampler]
+    assert all(len(r.output_tokens) == 12 for r in argmax)
+
+
 def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invariance_run):
     """...with its prefills' steps mixed: the decode rows riding in the prefill batches."""
     *_, compiles = invariance_run
