@@ -378,6 +378,13 @@ PASS_VARIANTS = tuple(
 )
 
 
+# A pick whose every row is plain greedy (``SamplingParams.plain_greedy``) runs the rule's
+# argmax form, a program of its own: a plain-greedy row's penalties are neutral (the whole
+# sampler's argmax is the same token), so it needs no token counts, and their [rows, V]
+# slices are neither gathered nor written back.
+GREEDY_RULE = Sampling(greedy=True, want_logprobs=False, guided=True)
+
+
 @partial(jax.jit, static_argnames=("rule",), donate_argnames=("counts",))
 def _pick_rows(
     rule: Sampling,
@@ -387,52 +394,26 @@ def _pick_rows(
     num_generated: jax.Array,
     allowed: jax.Array,
     by_slot: SampleRows,
-    counts: jax.Array,
+    counts: jax.Array | None,
     last_tokens: jax.Array,
-) -> tuple[jax.Array, jax.Array, Chunk]:
+) -> tuple[jax.Array | None, jax.Array, Chunk]:
     """The rule's pick of rows ``row_slots[b]`` from ``logits[b, V]`` under their token masks
     ``allowed[b, V/32]``: their slots' settings and token counts gathered, the counts and last
     tokens written back to the slots (padding rows name slot ``S``, out of range: their writes
-    are dropped).
+    are dropped). ``counts`` None (``GREEDY_RULE``): none read, None returned.
 
     The last tokens are not donated: the next decode's gather of them is queued when this
     pick is dispatched, and donating a buffer a queued program reads makes the host wait for
     it (measured on the H200: the whole step, every step)."""
     take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
     rows = dataclasses.replace(jax.tree.map(take, by_slot), allowed=allowed)
-    carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, take(counts))
+    picker = None if counts is None else take(counts)
+    carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, picker)
     carry, record = rule.advance(logits, carry, rows, rule.empty_record(carry, rows, 1), 0)
-    counts = counts.at[row_slots].set(carry.picker, mode="drop")
+    if counts is not None:
+        counts = counts.at[row_slots].set(carry.picker, mode="drop")
     last_tokens = last_tokens.at[row_slots].set(record.tokens[:, 0], mode="drop")
     return counts, last_tokens, record
-
-
-# A pick whose every row is plain greedy (``SamplingParams.plain_greedy``): the rule's argmax
-# form, a program of its own. It reads neither the slots' token counts nor their prompt
-# masks (a plain-greedy row's penalties are neutral: the full sampler's argmax is the same
-# token), so it neither gathers nor writes back their [rows, V] slices.
-GREEDY_RULE = Sampling(greedy=True, want_logprobs=False, guided=True)
-
-
-@jax.jit
-def _pick_greedy_rows(
-    logits: jax.Array,
-    row_slots: jax.Array,
-    active: jax.Array,
-    num_generated: jax.Array,
-    allowed: jax.Array,
-    by_slot: SampleRows,
-    last_tokens: jax.Array,
-) -> tuple[jax.Array, Chunk]:
-    """``_pick_rows`` under ``GREEDY_RULE``: the last tokens written back and the record;
-    the counts are left as they are."""
-    take = lambda x: jnp.take(x, row_slots, axis=0, mode="clip")
-    rows = dataclasses.replace(jax.tree.map(take, by_slot), allowed=allowed)
-    carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, None)
-    empty = GREEDY_RULE.empty_record(carry, rows, 1)
-    _, record = GREEDY_RULE.advance(logits, carry, rows, empty, 0)
-    last_tokens = last_tokens.at[row_slots].set(record.tokens[:, 0], mode="drop")
-    return last_tokens, record
 
 
 @dataclass
@@ -602,8 +583,8 @@ class SlotPicker:
     A serving step is the core's step split in its two halves, the model's forward and the
     rule's pick: the decoding rows are picked from the decode step's logits and the rows
     that end their prefill from the prefill's, each pick over its own rows. A pick whose
-    rows are all plain greedy runs the rule's argmax form (``_pick_greedy_rows``), which
-    reads and writes no token counts.
+    rows are all plain greedy runs the rule's argmax form (``GREEDY_RULE``), which reads and
+    writes no token counts.
     """
 
     def __init__(
@@ -731,59 +712,40 @@ class SlotPicker:
     ) -> Picks:
         """``pick`` with the rows' slots, activity and generated counts already uploaded."""
         params = [None if s is None else s.params for s in seqs]
-        if all(p is None or p.plain_greedy for p in params):
-            return self._pick_greedy(logits, seqs, row_slots, active, generated)
-        passes = SamplerPasses.for_params(params, self.vocab_size)
+        passes = None  # every row plain greedy: the argmax program
+        if not all(p is None or p.plain_greedy for p in params):
+            passes = SamplerPasses.for_params(params, self.vocab_size)
         return self._pick_with(passes, logits, seqs, row_slots, active, generated)
-
-    def _pick_greedy(
-        self,
-        logits: jax.Array,
-        seqs: list[SequenceState | None],
-        row_slots: jax.Array,
-        active: jax.Array,
-        generated: jax.Array,
-    ) -> Picks:
-        args = (logits, row_slots, active, generated, self._allowed(seqs), self.by_slot())
-        self.last_tokens, record = _pick_greedy_rows(*args, self.last_tokens)
-        return Picks(record, seqs)
 
     def _pick_with(
         self,
-        passes: SamplerPasses,
+        passes: SamplerPasses | None,
         logits: jax.Array,
         seqs: list[SequenceState | None],
         row_slots: jax.Array,
         active: jax.Array,
         generated: jax.Array,
     ) -> Picks:
+        """The pick program of ``passes`` (None: the plain-greedy one) run on these rows."""
         args = self._pick_args(passes, logits, seqs, row_slots, active, generated)
-        self.counts, self.last_tokens, record = _pick_rows(*args)
+        counts, self.last_tokens, record = _pick_rows(*args)
+        self.counts = self.counts if counts is None else counts
         return Picks(record, seqs)
 
     def _pick_args(
         self,
-        passes: SamplerPasses,
+        passes: SamplerPasses | None,
         logits: jax.Array,
         seqs: list[SequenceState | None],
         row_slots: jax.Array,
         active: jax.Array,
         generated: jax.Array,
     ) -> tuple:
-        """``_pick_rows``' arguments for these rows."""
-        rule = dataclasses.replace(RULE, passes=passes)
-        allowed = self._allowed(seqs)
-        return (
-            rule,
-            logits,
-            row_slots,
-            active,
-            generated,
-            allowed,
-            self.by_slot(),
-            self.counts,
-            self.last_tokens,
-        )
+        """``_pick_rows``' arguments for these rows (passes None: the plain-greedy pick's)."""
+        rows = (logits, row_slots, active, generated, self._allowed(seqs), self.by_slot())
+        if passes is None:
+            return (GREEDY_RULE, *rows, None, self.last_tokens)
+        return (dataclasses.replace(RULE, passes=passes), *rows, self.counts, self.last_tokens)
 
     def judge(
         self,
@@ -839,14 +801,6 @@ class SlotPicker:
             on_device=on_device,
         )
 
-    def _lower_pick(self, passes: SamplerPasses | None, *run: Any) -> jax.stages.Lowered:
-        """The pick program of ``passes`` (None: the plain-greedy one) for ``run``'s rows."""
-        if passes is None:
-            logits, seqs, row_slots, active, generated = run
-            args = (logits, row_slots, active, generated, self._allowed(seqs), self.by_slot())
-            return _pick_greedy_rows.lower(*args, self.last_tokens)
-        return _pick_rows.lower(*self._pick_args(passes, *run))
-
     def warm(self, logits: list[jax.Array], compile_threads: int) -> None:
         """Runs each pick program (logits shape x sampler passes, compiled on
         ``compile_threads`` threads) and the row setter once on no row."""
@@ -863,14 +817,11 @@ class SlotPicker:
             runs += [(passes, x, [None] * rows, *placed) for passes in PASS_VARIANTS]
             runs += [(None, x, [None] * rows, *placed)]  # the plain-greedy pick
         # Compiled on threads first (XLA compiles outside the GIL), then each run once.
-        lowered = [self._lower_pick(*run) for run in runs]
+        lowered = [_pick_rows.lower(*self._pick_args(*run)) for run in runs]
         with ThreadPoolExecutor(compile_threads) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
-        for passes, *run in runs:
-            if passes is None:
-                self._pick_greedy(*run)
-            else:
-                self._pick_with(passes, *run)
+        for run in runs:
+            self._pick_with(*run)
         nobody = [n] * self.max_admitted  # the admission program at every token width
         zeros = [0] * self.max_admitted
         for width in self.token_ladder:

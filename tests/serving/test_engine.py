@@ -136,17 +136,18 @@ def test_64_mixed_requests_give_the_tokens_each_gives_alone(tiny_llama, invarian
 
 
 def test_plain_greedy_picks_take_the_argmax_program_and_the_samplers_tokens(engine, monkeypatch):
-    """Picks whose rows are all plain greedy run ``_pick_greedy_rows`` (no token counts read
-    or written); the same requests asking for logprobs (not plain greedy: the whole sampler)
-    give the same tokens."""
+    """Picks whose rows are all plain greedy run the rule's argmax form (``GREEDY_RULE``: no
+    token counts read or written); the same requests asking for logprobs (not plain greedy:
+    the whole sampler) give the same tokens."""
     calls = []
-    greedy = executor_module._pick_greedy_rows
+    pick = executor_module._pick_rows
 
-    def spy(*args):
-        calls.append(args[0].shape[0])
-        return greedy(*args)
+    def spy(rule, *args):
+        if rule == executor_module.GREEDY_RULE:
+            calls.append(args[0].shape[0])
+        return pick(rule, *args)
 
-    monkeypatch.setattr(executor_module, "_pick_greedy_rows", spy)
+    monkeypatch.setattr(executor_module, "_pick_rows", spy)
     prompts = [random_prompt(700 + i, 5 + 23 * i) for i in range(6)]
     plain = sj.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with CompileCounter() as counter:
