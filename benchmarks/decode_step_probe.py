@@ -16,11 +16,14 @@ lengths copied back each call too): ``cached_wave``, 8 rows of 72 new tokens
 after 1 000 cached keys in a stream of 576, with the 256-slot engine's decode rows riding
 (none real), as the shared-prefix level's waves run; ``cached_wave_alone`` the same without
 riding rows; ``c64_step``, 4 fresh prompts of 224 tokens and 64 decode rows at 300 keys in a
-stream of 1 024, a C=64 step that admits. ``--xla`` compiles each program once per set of
-XLA options over the step's own (``default``: cuBLAS's GEMMs from 64 rows,
+stream of 1 024, a C=64 step that admits; ``one_chunk_step`` and ``later_chunk_step`` one
+chunk of 128 prompt tokens (a prompt's first, or after 128 cached) beside the same 64 decode
+rows in a stream of 256, the step a cap of tokens a step makes. ``--xla`` compiles each
+program once per set of XLA options over the step's own (``default``: cuBLAS's GEMMs from 64 rows,
 ``spark_jax.models.wide_gemm``; ``triton_gemm``: XLA's Triton fusions at any width;
 ``no_triton_gemm``: cuBLAS at any width). ``--attention pallas`` forces our
-paged kernels (``KernelOptions.implementation``); ``chunk_rows`` lays a prefill's queries
+paged kernels (``KernelOptions.implementation``), ``no_flash_prefill`` XLA's attention for
+prefills (``KernelOptions.flash_prefill=False``); ``chunk_rows`` lays a prefill's queries
 out one attention row per chunk, ``query_blocks`` in rows of 128 where the flash kernel reads
 the pages in place (``KernelOptions.ragged_query_blocks`` 0 and None). With ``$OUT`` set,
 the figures go to ``$OUT/decode_step_probe.json``, and under ``--hlo`` each program's
@@ -61,6 +64,7 @@ ATTENTION = {
     "pallas": KernelOptions(implementation="pallas"),
     "chunk_rows": KernelOptions(ragged_query_blocks=0),
     "query_blocks": KernelOptions(ragged_query_blocks=None),
+    "no_flash_prefill": KernelOptions(flash_prefill=False),
 }
 # "default": the step's own (``spark_jax.models.wide_gemm``: cuBLAS's GEMMs from 64 rows).
 XLA_OPTIONS = {
@@ -74,11 +78,15 @@ PREFILLS = {
     "cached_wave": (8, 72, 1000, 576, 0, 300, 256),
     "cached_wave_alone": (8, 72, 1000, 576, 0, 300, None),
     "c64_step": (4, 224, 0, 1024, 64, 300, 256),
+    "one_chunk_step": (1, 128, 0, 256, 64, 300, 256),
+    "later_chunk_step": (1, 128, 128, 256, 64, 300, 256),
 }
 TINY_PREFILLS = {
     "cached_wave": (4, 8, 40, 64, 0, 20, 8),
     "cached_wave_alone": (4, 8, 40, 64, 0, 20, None),
     "c64_step": (2, 16, 0, 64, 4, 20, 8),
+    "one_chunk_step": (1, 16, 0, 32, 4, 20, 8),
+    "later_chunk_step": (1, 16, 16, 32, 4, 20, 8),
 }
 
 

@@ -206,7 +206,8 @@ def to_rows(x: jax.Array, rows: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """``x [N, 1, ...]`` of a ragged batch in its rows' ``[R, T, ...]`` layout (``shape``:
     (R, T)), zeros where a row has no token."""
     r, t = shape
-    flat = jnp.zeros((r * t, *x.shape[2:]), x.dtype).at[rows].set(x[:, 0], mode="drop")
+    flat = jnp.zeros((r * t, *x.shape[2:]), x.dtype)
+    flat = flat.at[rows].set(x[:, 0], mode="drop", unique_indices=True)
     return flat.reshape(r, t, *x.shape[2:])
 
 
@@ -312,7 +313,7 @@ class SelfAttention(nn.Module):
             decoded = cache_attention(
                 dq, k_cache, v_cache, decoding.slots, decoding.mask, window, self.options
             )
-            out = out.at[decoding.places].set(decoded, mode="drop")
+            out = out.at[decoding.places].set(decoded, mode="drop", unique_indices=True)
         out = linear(c.hidden_size, name="o_proj")(out.reshape(b, t, -1), scope(lora, "o_proj"))
         return out, k_cache, v_cache
 

@@ -177,7 +177,9 @@ def write_kv(
         rows = jnp.arange(cache_layer.shape[0])[:, None]
     else:
         rows = slots[:, None]
-    return cache_layer.at[rows, positions].set(new.astype(cache_layer.dtype), mode="drop")
+    return cache_layer.at[rows, positions].set(
+        new.astype(cache_layer.dtype), mode="drop", unique_indices=True
+    )
 
 
 def read_through(cache_layer: jax.Array, row_table: jax.Array) -> jax.Array:
@@ -264,7 +266,11 @@ class PagedLayer:
         page = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
         page = jnp.where(index < table.shape[1], page, self.pages.shape[0])
         new = new.astype(self.pages.dtype) if self.scale is None else quantize_kv(new, self.scale)
-        pages = self.pages.at[page, positions % self.page_size].set(new, mode="drop")
+        # Each real token has a place of its own (padding's lie out of range, dropped): the
+        # promise lets XLA's GPU scatter store plainly instead of updating atomically.
+        pages = self.pages.at[page, positions % self.page_size].set(
+            new, mode="drop", unique_indices=True
+        )
         return dataclasses.replace(self, pages=pages)
 
     def read(self, slots: jax.Array | None) -> jax.Array:
