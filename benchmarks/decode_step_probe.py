@@ -23,7 +23,9 @@ program once per set of XLA options over the step's own (``default``: cuBLAS's G
 ``spark_jax.models.wide_gemm``; ``triton_gemm``: XLA's Triton fusions at any width;
 ``no_triton_gemm``: cuBLAS at any width). ``--attention pallas`` forces our
 paged kernels (``KernelOptions.implementation``), ``no_flash_prefill`` XLA's attention for
-prefills (``KernelOptions.flash_prefill=False``); ``chunk_rows`` lays a prefill's queries
+prefills (``KernelOptions.flash_prefill=False``), ``split_decode`` the split-K paged kernel
+for every one-token attention our kernels take (a mixed step's riding rows; the flash walk
+pads each row's queries to 64); ``chunk_rows`` lays a prefill's queries
 out one attention row per chunk, ``query_blocks`` in rows of 128 where the flash kernel reads
 the pages in place (``KernelOptions.ragged_query_blocks`` 0 and None). With ``$OUT`` set,
 the figures go to ``$OUT/decode_step_probe.json``, and under ``--hlo`` each program's
@@ -65,6 +67,7 @@ ATTENTION = {
     "chunk_rows": KernelOptions(ragged_query_blocks=0),
     "query_blocks": KernelOptions(ragged_query_blocks=None),
     "no_flash_prefill": KernelOptions(flash_prefill=False),
+    "split_decode": KernelOptions(flash_decode_min_programs=1 << 30),
 }
 # "default": the step's own (``spark_jax.models.wide_gemm``: cuBLAS's GEMMs from 64 rows).
 XLA_OPTIONS = {
