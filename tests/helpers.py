@@ -395,3 +395,10 @@ class CompileCounter:
 
     def __exit__(self, *exc: object) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def scatters_promise_unique(lowered: jax.stages.Lowered) -> bool:
+    """Whether a lowered program has scatters and every one promises unique indices (which
+    lets XLA's GPU scatter store plainly instead of updating atomically)."""
+    lines = [line for line in lowered.as_text().splitlines() if "scatter" in line and "(" in line]
+    return bool(lines) and all("unique_indices = true" in line for line in lines)

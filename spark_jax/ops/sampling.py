@@ -707,7 +707,8 @@ def count_tokens(
         increment = increment * active.astype(token_counts.dtype)
     # Negative ids would wrap around under numpy indexing rules; send them out of range.
     ids = jnp.where(tokens < 0, token_counts.shape[-1], tokens)
-    return token_counts.at[jnp.arange(tokens.shape[0]), ids].add(increment, mode="drop")
+    rows = jnp.arange(tokens.shape[0])  # a token a row: no two updates share a place
+    return token_counts.at[rows, ids].add(increment, mode="drop", unique_indices=True)
 
 
 def prompt_token_mask(prompt_tokens: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:

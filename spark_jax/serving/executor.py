@@ -104,7 +104,7 @@ def _store_hidden(
     rows out of range and positions past L are dropped."""
     positions = starts[:, None] + jnp.arange(hidden.shape[1])[None, :]
     return hidden_rows.at[row_slots[:, None], positions].set(
-        hidden.astype(hidden_rows.dtype), mode="drop"
+        hidden.astype(hidden_rows.dtype), mode="drop", unique_indices=True
     )
 
 
@@ -238,6 +238,14 @@ def _decode_inputs(
     return DecodeInputs(tokens, active, table, lengths), (row_slots, active, generated)
 
 
+def put_rows(whole: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """``whole`` with ``rows[i]`` written at row ``slots[i]``: the rows of a step or an
+    admission, each its own slot (padding rows name slot S, out of range: dropped). Distinct
+    slots let XLA's GPU scatter store the rows plainly instead of updating them atomically
+    (``unique_indices``; the K/V writes' scatters measured 2-3x faster so)."""
+    return whole.at[slots].set(rows, mode="drop", unique_indices=True)
+
+
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("held",), keep_unused=True)
 def _chunk_inputs(
     held: ChunkInputs, last_tokens: jax.Array, inputs: jax.Array, packing: Packing
@@ -255,7 +263,7 @@ def _chunk_inputs(
 def _set_last_tokens(last_tokens: jax.Array, row_slots: jax.Array, tokens: jax.Array) -> jax.Array:
     """Each row's last token into its slot (padding rows' slots are out of range: dropped).
     The last tokens are not donated, as in ``_pick_rows``."""
-    return last_tokens.at[row_slots].set(tokens, mode="drop")
+    return put_rows(last_tokens, row_slots, tokens)
 
 
 @partial(jax.jit, static_argnames=("packing",), donate_argnames=("token_counts",))
@@ -290,9 +298,9 @@ def _set_rows(
     counts = jnp.zeros((rows, vocab), token_counts.dtype)
     counts = counts.at[row, ids(in_output)].add(1, mode="drop")
     mask = jnp.zeros((rows, vocab), bool).at[row, ids(in_prompt)].set(True, mode="drop")
-    token_counts = token_counts.at[slots].set(counts, mode="drop")
-    prompt_mask = prompt_mask.at[slots].set(mask, mode="drop")
-    put = lambda whole, new: whole.at[slots].set(new, mode="drop")
+    token_counts = put_rows(token_counts, slots, counts)
+    prompt_mask = put_rows(prompt_mask, slots, mask)
+    put = lambda whole, new: put_rows(whole, slots, new)
     return token_counts, prompt_mask, jax.tree.map(put, by_slot, settings)
 
 
@@ -411,8 +419,8 @@ def _pick_rows(
     carry = Carry(None, jnp.zeros_like(row_slots), active, num_generated, picker)
     carry, record = rule.advance(logits, carry, rows, rule.empty_record(carry, rows, 1), 0)
     if counts is not None:
-        counts = counts.at[row_slots].set(carry.picker, mode="drop")
-    last_tokens = last_tokens.at[row_slots].set(record.tokens[:, 0], mode="drop")
+        counts = put_rows(counts, row_slots, carry.picker)
+    last_tokens = put_rows(last_tokens, row_slots, record.tokens[:, 0])
     return counts, last_tokens, record
 
 
@@ -477,8 +485,8 @@ def _judge_rows(
     carry = Carry(state, take(last_tokens), active, num_generated, take(counts))
     proposal = Proposal(logits, drafts, None, num_drafts, None)
     carry, record = rule.advance(proposal, carry, rows, rule.empty_record(carry, rows, 1), 0)
-    counts = counts.at[row_slots].set(carry.picker, mode="drop")
-    last_tokens = last_tokens.at[row_slots].set(carry.tokens, mode="drop")
+    counts = put_rows(counts, row_slots, carry.picker)
+    last_tokens = put_rows(last_tokens, row_slots, carry.tokens)
     return counts, last_tokens, record
 
 
@@ -565,7 +573,7 @@ def _decode_chunk(
 
     record = rule.empty_record(carry, rows, num_steps)
     carry, record = jax.lax.fori_loop(0, num_steps, body, (carry, record))
-    counts = counts.at[row_slots].set(carry.picker, mode="drop")
+    counts = put_rows(counts, row_slots, carry.picker)
     return carry.state, inputs, counts, (carry.tokens, jnp.copy(row_slots)), record
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-from helpers import CompileCounter
+from helpers import CompileCounter, scatters_promise_unique
 from transformers.generation import logits_process as hf
 
 from spark_jax.ops.sampling import (
@@ -561,6 +561,13 @@ def test_count_tokens_adds_one_per_active_row():
     expected = np.zeros((3, 6), np.int32)
     expected[0, 2], expected[1, 2], expected[1, 5] = 2, 1, 1
     np.testing.assert_array_equal(np.asarray(counts), expected)
+
+
+def test_count_tokens_promises_unique_indices() -> None:
+    """A token a row: no two updates share a place, so the add needs no atomics."""
+    counts = jnp.zeros((3, 8), jnp.int32)
+    lowered = jax.jit(count_tokens).lower(counts, jnp.asarray([2, 2, -1]))
+    assert scatters_promise_unique(lowered)
 
 
 def test_prompt_token_mask_ignores_padding():
