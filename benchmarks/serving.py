@@ -43,9 +43,12 @@ throughout; the closed loop's own floor is its longest chain: each client's requ
 another, a step for a prompt and one a token (``chain_steps``). Each level's TPOT is compared
 with the bare decode step at its width and mean context (device-timed), and its throughput with
 the chain's at that step (``chain_bound_tok_s``: every step as short as a bare decode step, no
-prefill costing anything). At the profiled level (``--profile-concurrency``, default 64) a
-profile of 24 steps, in a pass of its own after the level (the profiler stalls the engine),
-gives the device's idle fraction (all gaps, and the gaps between programs: between steps),
+prefill costing anything) and with the prompts' FLOPs at the matmul rate added
+(``chain_prompts_tok_s``: what the loop can reach when a prompt's compute does not hide under
+the decode's reads; riding decode rows hide a little of it, so it is a reference, not a
+floor). At the profiled level (``--profile-concurrency``, default 64) a profile of 24 steps, in
+a pass of its own after the level (the profiler stalls the engine), gives the device's idle
+fraction (all gaps, and the gaps between programs: between steps),
 each program's device time and what the host was inside.
 
 Peers, each in a child process run first so torch and JAX never share GPU memory: HF
@@ -784,6 +787,7 @@ def run(
             "steady tok/s",
             "roofline",
             "chain bound",
+            "chain + prompts",
             "x HF",
             "x gpt-fast",
             "TTFT p50 ms",
@@ -800,6 +804,14 @@ def run(
         report.peers[f"c{c}_chain_bound_tok_s"] = level["chain_bound_tok_s"]
         report.ratios[f"c{c}_of_chain_bound"] = ratio(
             level["output_tok_s"], level["chain_bound_tok_s"]
+        )
+        prompts_s = level["roofline"]["flops"] / peaks["matmul_flop_s"]
+        level["chain_prompts_tok_s"] = level["output_tokens"] / (
+            level["chain_steps"] * bare_s + prompts_s
+        )
+        report.peers[f"c{c}_chain_prompts_tok_s"] = level["chain_prompts_tok_s"]
+        report.ratios[f"c{c}_of_chain_prompts"] = ratio(
+            level["output_tok_s"], level["chain_prompts_tok_s"]
         )
         if c == plan.profile_concurrency:
             level["device_idle"] = profiled_idle(engine, requests, c)
@@ -831,6 +843,7 @@ def run(
                 level.get("steady_output_tok_s", ""),
                 level["roofline"]["tok_s"],
                 level["chain_bound_tok_s"],
+                level["chain_prompts_tok_s"],
                 report.ratios[f"c{c}_over_hf"],
                 report.ratios[f"c{c}_over_gpt_fast"],
                 level["ttft_s"]["p50"] * 1e3,
@@ -870,7 +883,8 @@ def run(
         report.figures[f"shared_prefix_cache_{name}_ttft_p50_ms"] = level["ttft_s"]["p50"] * 1e3
         report.figures[f"shared_prefix_cache_{name}_tok_s"] = level["output_tok_s"]
         ttft, tpot = level["ttft_s"]["p50"] * 1e3, level["tpot_s"]["p50"] * 1e3
-        table.append(["shared prefix", f"cache {name}", "", "", "", "", "", ttft, tpot, ""])
+        row = ["shared prefix", f"cache {name}", "", "", "", "", "", "", ttft, tpot, ""]
+        table.append(row)
     report.ratios["shared_prefix_ttft_off_over_on"] = ratio(
         off["ttft_s"]["p50"], on["ttft_s"]["p50"]
     )

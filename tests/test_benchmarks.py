@@ -48,6 +48,11 @@ def test_serving(tmp_path: Path) -> None:
     line = run_suite("serving", tmp_path, "--no-peer")
     assert {"c1_tok_s", "c8_tok_s", "c1_steady_tok_s", "c8_steady_tok_s"} <= line["figures"].keys()
     assert {"bare_decode_bs1_ms", "bare_decode_bs8_ms"} <= line["peers"].keys()
+    for c in (1, 8):  # the prompts' FLOPs lengthen the chain
+        chain, with_prompts = (
+            line["peers"][f"c{c}_{k}_tok_s"] for k in ("chain_bound", "chain_prompts")
+        )
+        assert 0 < with_prompts < chain
     for cache in ("on", "off"):  # each request's TTFT, whose median the figure is
         level = line["details"][f"shared_prefix_cache_{cache}"]
         assert len(level["ttft_ms"]) == level["requests"]
