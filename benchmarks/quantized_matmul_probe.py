@@ -136,6 +136,91 @@ def dot_matmul(x, wt, scale, *, block_in, block_out, splits, warps, stages, wide
     return (jnp.sum(partial, axis=0) * scale).astype(x.dtype)
 
 
+def tma_matmul(x, wt, scale, *, tile_k, stages, splits, load_layout="UPCAST_2X", interpret=False):
+    """``x [M, D] @ (wt.T * scale)`` with weights ``wt [F, D]`` (Mosaic GPU): each program
+    streams its [64, D / splits] slice of the narrow weights by TMA through ``stages`` shared
+    buffers, widens each tile in registers (fp8 -> fp16 by ``cvt``, int8 -> bf16) as wgmma's
+    first operand, and multiplies it by x^T (padded to 8 columns, read transposed from shared
+    memory); the splits' fp32 partials are summed and scaled after it."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels._mosaic import interpret_params, smem_transforms
+
+    m, d = x.shape
+    f = wt.shape[0]
+    tile_f, n = 64, 8
+    widen = jnp.float16 if wt.dtype == jnp.float8_e4m3fn else jnp.bfloat16
+    xw = x.astype(jnp.float32)
+    if widen == jnp.float16:
+        big = float(jnp.finfo(jnp.float16).max)
+        xw = jnp.clip(xw, -big, big)
+    xw = jnp.pad(xw.astype(widen), ((0, n - m), (0, 0)))  # [8, D]
+    chunk = d // splits
+    steps = chunk // tile_k
+
+    def body(x_gmem, w_gmem, out_gmem, out_smem, w_wide, x_t):
+        fi, si = lax.axis_index("f"), lax.axis_index("s")
+        inputs = pl.ds(si * chunk, chunk)
+
+        def step(_, w_smem, x_smem, acc):
+            if interpret:
+                w_wide[...] = w_smem[...].astype(widen)
+                x_t[...] = x_smem[...].T
+                plgpu.commit_smem()
+
+                def fresh(acc_ref):
+                    plgpu.wgmma(acc_ref, w_wide, x_t)
+                    return acc_ref[...]
+
+                return acc + pl.run_scoped(fresh, plgpu.ACC((tile_f, n), jnp.float32))
+            layout = getattr(plgpu.Layout, f"WGMMA_{load_layout}")
+            w = plgpu.load(w_smem, (), layout=layout).astype(widen)
+            w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
+
+            return pl.run_state(product)(plgpu.ACC.init(acc))
+
+        pipeline = plgpu.emit_pipeline(
+            step,
+            grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (tile_f, tile_k), lambda k: (0, k), transforms=smem_transforms(wt.dtype)
+                ),
+                plgpu.BlockSpec((n, tile_k), lambda k: (0, k), transforms=smem_transforms(widen)),
+            ],
+            max_concurrent_steps=stages,
+            init_carry=jnp.zeros((tile_f, n), jnp.float32)
+            if interpret
+            else plgpu.layout_cast(jnp.zeros((tile_f, n), jnp.float32), plgpu.Layout.WGMMA),
+        )
+        acc = pipeline(w_gmem.at[pl.ds(fi * tile_f, tile_f), inputs], x_gmem.at[:, inputs])
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(fi * tile_f, tile_f)])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((tile_f, n), jnp.float32),
+        plgpu.SMEM((tile_f, tile_k), widen, transforms=smem_transforms(widen))
+        if interpret
+        else None,
+        plgpu.SMEM((tile_k, n), widen) if interpret else None,
+    ]
+    partial = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, f, n), jnp.float32),
+        scratch_types=scratch,
+        grid=(f // tile_f, splits),
+        grid_names=("f", "s"),
+        interpret=interpret_params() if interpret else None,
+    )(xw, wt)
+    y = jnp.sum(partial, axis=0)[:, :m].T  # [M, F]
+    return (y * scale).astype(x.dtype)
+
+
 def jax_mixed_matmul(x, wt, scale):
     """JAX's own Hopper mixed-type matmul (Mosaic GPU: int8 tiles by TMA into shared memory,
     widened in registers as wgmma's first operand) on ``wt [F, D]`` int8 times x^T padded to
@@ -339,6 +424,28 @@ def main() -> None:
                 scheme,
                 fn,
             )
+
+    tma_configs = [
+        # tile_k, stages, programs, load layout
+        (128, 4, 528, "UPCAST_2X"),
+        (128, 4, 528, "8BIT"),
+        (256, 4, 264, "UPCAST_2X"),
+        (256, 3, 528, "UPCAST_2X"),
+        (512, 2, 264, "UPCAST_2X"),
+        (128, 8, 264, "UPCAST_2X"),
+        (256, 6, 264, "UPCAST_2X"),
+    ]
+    for tk, stages, programs, load_layout in tma_configs:
+        for scheme in ("fp8",) + (("int8",) if (tk, stages) == (256, 4) else ()):
+
+            def fn(x, q, s, qt, name, tk=tk, stages=stages, programs=programs, ll=load_layout):
+                d, f = q.shape
+                splits = splits_for(d, f, tk, 64, programs)
+                while splits > 1 and d // splits // tk < stages:
+                    splits //= 2
+                return tma_matmul(x, qt, s, tile_k=tk, stages=stages, splits=splits, load_layout=ll)
+
+            variants[f"tma_{tk}_s{stages}_p{programs}_{load_layout}_{scheme}"] = (scheme, fn)
 
     ceiling = read_bandwidth()
     rows = []
