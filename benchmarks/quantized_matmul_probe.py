@@ -11,7 +11,8 @@ XLA's bf16 GEMV over the same shapes and the read ceiling of this run. Variants:
 - ``bf16``: XLA's dot on bf16 weights (bytes counted at 2 a weight); ``bf16half``: the same on
   half the columns, the narrow weights' bytes: what a matmul of that size reads at.
 - ``xla_fused``: XLA's dot with the convert fused into its operand (the CPU's path).
-- ``xla_rows``: a row reduction over transposed narrow weights ``[F, D]`` (one row a dot).
+- ``xla_rows``: a row reduction over transposed narrow weights ``[F, D]`` (one row a dot);
+  ``xla_cols``: the column reduction over ``[D, F]`` as the model holds them.
 - ``kernel``: ``pallas_kernels.quantized_matmul`` as the model calls it.
 - ``tile``: the kernel's form with the products summed over the inputs once per program
   instead of once per tile (``elementwise``), on ``[D, F]`` or ``[F, D]`` weights, with its
@@ -306,6 +307,12 @@ def main() -> None:
             scheme,
             lambda x, q, s, qt, name: (
                 jnp.sum(qt.astype(jnp.float32) * x.astype(jnp.float32), axis=1)[None] * s
+            ).astype(jnp.bfloat16),
+        )
+        variants[f"xla_cols_{scheme}"] = (
+            scheme,
+            lambda x, q, s, qt, name: (
+                jnp.sum(q.astype(jnp.float32) * x.astype(jnp.float32).T, axis=0)[None] * s
             ).astype(jnp.bfloat16),
         )
         variants[f"kernel_{scheme}"] = (
