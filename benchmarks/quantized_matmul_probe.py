@@ -151,6 +151,8 @@ def tma_matmul(x, wt, scale, *, tile_k, stages, splits, load_layout="UPCAST_2X",
     m, d = x.shape
     f = wt.shape[0]
     tile_f, n = 64, 8
+    if m > n:
+        raise ValueError(f"tma_matmul takes at most {n} rows of x, got {m}")
     widen = jnp.float16 if wt.dtype == jnp.float8_e4m3fn else jnp.bfloat16
     xw = x.astype(jnp.float32)
     if widen == jnp.float16:
