@@ -48,8 +48,8 @@ prefill costing anything) and with the prompts' FLOPs at the matmul rate added
 the decode's reads; riding decode rows hide a little of it, so it is a reference, not a
 floor). At the profiled level (``--profile-concurrency``, default 64) a profile of 24 steps, in
 a pass of its own after the level (the profiler stalls the engine), gives the device's idle
-fraction (all gaps, and the gaps between programs: between steps),
-each program's device time and what the host was inside.
+fraction (all gaps, and the gaps between programs: between steps), each program's device time
+and what the host was inside.
 
 Peers, each in a child process run first so torch and JAX never share GPU memory: HF
 ``LlamaForCausalLM`` (torch, bf16, sdpa) with ``generate`` over static batches of
