@@ -6,8 +6,10 @@ beside its read floor, for the decode step and for the ragged prefill the engine
         [--prefill cached_wave cached_wave_alone c64_step] [--hlo] [--tiny]
 
 Builds the serving engine's ``PagedExecutor`` over a random Llama-3-8B (no warm-up of the
-other programs). Decode, per (rows, context): the device's time a step of the decoder's
-decode program (the engine's forward at that width) dispatched back to back, the rows'
+other programs) and a pool of the suite's size (``gpu_memory_utilization``: cuDNN's paged
+attention, which needs rows x table-width pages, then takes the widths it takes there).
+Decode, per (rows, context): the device's time a step of the decoder's decode program (the
+engine's forward at that width) dispatched back to back, the rows'
 lengths copied back before each step, its floor (the weights and the rows' K/V read once at
 the read ceiling measured in this run), and a trace of ``--traced`` steps: each kernel's
 time a step, largest first. ``--prefill`` does the same for ragged prefill steps (the
@@ -59,6 +61,7 @@ from benchmarks.common import (
 from benchmarks.serving import FULL, SMALL, device_kernels, merged_gaps
 from spark_jax.models import decoder
 from spark_jax.ops.options import KernelOptions
+from spark_jax.serving.engine import pages_that_fit
 from spark_jax.serving.executor import PagedExecutor, upload
 
 ATTENTION = {
@@ -232,6 +235,12 @@ def main() -> None:
     page, max_pages = plan.page_size, plan.max_model_len // plan.page_size
     slots = max(max(args.rows), 256 if not args.tiny else 16)
     pages = max(args.rows) * min(max_pages, -(-(max(args.context) + 300) // page)) + 4096
+    if plan.gpu_memory_utilization is not None:  # the suite's pool: its kernels at each width
+        itemsize = np.dtype(plan.dtype).itemsize
+        fit = pages_that_fit(
+            c, itemsize, plan.gpu_memory_utilization, page, plan.max_batch_tokens, slots
+        )
+        pages = max(pages, fit)
     read = read_bandwidth(16 << 20 if args.tiny else 4 << 30)
     results: dict[str, Any] = {"read_bytes_per_s": read, "device": str(jax.devices()[0])}
     prefills = TINY_PREFILLS if args.tiny else PREFILLS

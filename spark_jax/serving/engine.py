@@ -436,26 +436,14 @@ class Engine:
     def _pages_that_fit(
         self, utilization: float, page_size: int, max_batch_tokens: int, max_pages_per_seq: int
     ) -> int:
-        """The pages that fill ``utilization`` of the device's memory beside what it already
-        holds (the weights) and a step's working memory; a multiple of max_num_seqs, so
-        cuDNN's paged attention can read them in place."""
-        if not 0 < utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}.")
-        stats = jax.devices()[0].memory_stats()
-        if not stats or "bytes_limit" not in stats:
-            raise ValueError(
-                f"the {jax.default_backend()} device reports no memory limit, so "
-                "gpu_memory_utilization cannot size the KV cache; pass kv_pages instead."
-            )
-        c = self.model.config
-        itemsize = np.dtype(self.model.dtype).itemsize
-        page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * itemsize
-        # A step's working set: a prefill batch's activations and every slot's logits and
-        # sampler state (fp32 / int32 rows of the vocabulary, a few copies each).
-        work = max_batch_tokens * (4 * c.intermediate_size + 2 * c.vocab_size) * 4
-        work += 6 * self.num_slots * c.vocab_size * 4
-        room = utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0) - work
-        pages = int(room // page_bytes) // self.num_slots * self.num_slots
+        """The pages that fill ``utilization`` of the device's memory (``pages_that_fit``);
+        at least one sequence of max_model_len's."""
+        # An fp8 cache holds a key or value in a byte: twice the pages of a bf16 one.
+        narrow = getattr(self.model.runner, "kv_cache_dtype", "auto") == "fp8"
+        itemsize = 1 if narrow else np.dtype(self.model.dtype).itemsize
+        pages = pages_that_fit(
+            self.model.config, itemsize, utilization, page_size, max_batch_tokens, self.num_slots
+        )
         if pages < max_pages_per_seq:
             raise ValueError(
                 f"gpu_memory_utilization={utilization} leaves room for {max(pages, 0)} KV pages, "
@@ -945,3 +933,38 @@ def _check_mixed_batches(
             f"{num_slots} decode rows riding in the batch (mixed_batches); raise it to at "
             f"least {least}."
         )
+
+
+def device_memory_stats() -> dict[str, int] | None:
+    """The first device's memory statistics (None where it reports none, as the CPU)."""
+    return jax.devices()[0].memory_stats()
+
+
+def pages_that_fit(
+    config: Any,
+    kv_itemsize: int,
+    utilization: float,
+    page_size: int,
+    max_batch_tokens: int,
+    num_slots: int,
+) -> int:
+    """The KV pages (``kv_itemsize`` bytes a key or value) that fill ``utilization`` of the
+    device's memory beside what it already holds (the weights) and a step's working memory; a
+    multiple of ``num_slots``, so cuDNN's paged attention can read them in place (vLLM's
+    ``gpu_memory_utilization``)."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}.")
+    stats = device_memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(
+            f"the {jax.default_backend()} device reports no memory limit, so "
+            "gpu_memory_utilization cannot size the KV cache; pass kv_pages instead."
+        )
+    page_bytes = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim
+    page_bytes *= kv_itemsize
+    # A step's working set: a prefill batch's activations and every slot's logits and
+    # sampler state (fp32 / int32 rows of the vocabulary, a few copies each).
+    work = max_batch_tokens * (4 * config.intermediate_size + 2 * config.vocab_size) * 4
+    work += 6 * num_slots * config.vocab_size * 4
+    room = utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0) - work
+    return int(room // page_bytes) // num_slots * num_slots

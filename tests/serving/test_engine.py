@@ -18,6 +18,7 @@ from helpers import CompileCounter, random_prompt
 import spark_jax as sj
 from spark_jax.ops.kv_cache import PagedKVCache
 from spark_jax.ops.sampling import SamplerBatch
+from spark_jax.serving import engine as engine_module
 from spark_jax.serving import executor as executor_module
 from spark_jax.serving.engine import Engine
 from spark_jax.serving.executor import SAMPLER_WIDTH, SlotPicker
@@ -569,6 +570,27 @@ def test_gpu_memory_utilization_needs_a_device_that_reports_its_memory(tiny_llam
         pytest.skip("this device reports its memory (tests/test_gpu_paths.py covers it)")
     with pytest.raises(ValueError, match="pass kv_pages instead"):
         Engine(tiny_llama[1], max_num_seqs=4, gpu_memory_utilization=0.9)
+
+
+def test_gpu_memory_utilization_counts_an_fp8_caches_pages_at_a_byte_a_value(
+    tiny_llama, monkeypatch
+):
+    # A device that reports 64 MB, 10 of them in use: the pool fills half of it less the
+    # weights and a step's working memory, and an fp8 cache's pages take a byte a key or
+    # value where a float one's take the model's dtype (fp32 here: 4).
+    model = tiny_llama[1]
+    stats = {"bytes_limit": 64 << 20, "bytes_in_use": 10 << 20}
+    monkeypatch.setattr(engine_module, "device_memory_stats", lambda: stats)
+    sizes = {}
+    for cache in ("auto", "fp8"):
+        m = sj.Model(model.config, model.params, kv_cache_dtype=cache)
+        engine = Engine(m, max_num_seqs=4, max_model_len=64, gpu_memory_utilization=0.5)
+        pages = engine.scheduler.pages.num_pages
+        assert pages % 4 == 0 and engine.executor.num_pages == pages
+        assert engine.executor.state.nbytes <= (0.5 * 64 - 10) * 2**20
+        sizes[cache] = pages
+    wide = np.dtype(model.dtype).itemsize
+    assert 0.95 * wide < sizes["fp8"] / sizes["auto"] <= 1.05 * wide
 
 
 def test_a_step_budget_or_decode_widths_that_cannot_work_are_refused(tiny_llama):
