@@ -126,14 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decode: also run the batch case with this K/V cache type, beside the float one",
     )
     parser.add_argument(
-        "--fp8-cache-math",
-        nargs="+",
-        default=None,
-        choices=("e4m3_scores", "e4m3"),
-        help="decode, with --kv-cache-dtype fp8: also run the fp8 case with these dots "
-        "(KernelOptions.fp8_cache_math)",
-    )
-    parser.add_argument(
         "--tensor-parallel",
         type=int,
         default=1,
@@ -224,8 +216,6 @@ def plan_args(args: argparse.Namespace) -> list[str]:
         out += ["--quantize", *args.quantize]
     if args.kv_cache_dtype:
         out += ["--kv-cache-dtype", args.kv_cache_dtype]
-    if args.fp8_cache_math:
-        out += ["--fp8-cache-math", *args.fp8_cache_math]
     if args.tensor_parallel != 1:
         out += ["--tensor-parallel", str(args.tensor_parallel)]
     return out
@@ -259,8 +249,6 @@ def plan_overrides(args: argparse.Namespace) -> dict:
         out["quantize"] = tuple(args.quantize)
     if args.kv_cache_dtype:
         out["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.fp8_cache_math:
-        out["fp8_cache_math"] = tuple(args.fp8_cache_math)
     if args.tensor_parallel != 1:
         out["tensor_parallel"] = args.tensor_parallel
     return out

@@ -20,9 +20,7 @@ same process after the float model; ``bs1_fp8_over_bf16`` and the like are their
 the float model's. ``--kv-cache-dtype fp8``: a batch case at ``kv_prompt`` keys (64 rows of
 4,096 on the H200) with the float and the fp8 K/V cache (``kv_fp8_over_bf16``: the default
 dispatch, our kernel reading the E4M3 pages in place on the GPU), and the fp8 cache through
-XLA's fallback (``kv_fp8_xla_over_bf16``: ``KernelOptions(pallas_fp8_cache=False)``);
-``--fp8-cache-math e4m3_scores e4m3`` adds the fp8 case with the kernel's dots reading the
-E4M3 bytes unwidened (``kv_fp8_e4m3_over_bf16``: ``KernelOptions.fp8_cache_math``).
+XLA's fallback (``kv_fp8_xla_over_bf16``: ``KernelOptions(pallas_fp8_cache=False)``).
 """
 
 from __future__ import annotations
@@ -104,11 +102,9 @@ def run(
     quantize: tuple[str, ...] = (),
     kv_cache_dtype: str | None = None,
     tensor_parallel: int = 1,
-    fp8_cache_math: tuple[str, ...] = (),
 ) -> Report:
     """``tensor_parallel``: the model sharded over that many devices (``--tensor-parallel``);
-    the figures are then of the sharded model, the peer's of one device. ``fp8_cache_math``:
-    the fp8 cache's case again with each of these ``KernelOptions.fp8_cache_math``."""
+    the figures are then of the sharded model, the peer's of one device."""
     import spark_jax as sj
 
     if tensor_parallel != 1 and (quantize or kv_cache_dtype):
@@ -136,7 +132,7 @@ def run(
     bs1 = measure(lambda m=model: [sj.generate(m, prompt, sampling)], plan.repeats)
     batch = measure(lambda m=model: sj.generate_batch(m, prompts, sampling), plan.repeats)
     if kv_cache_dtype:
-        kv_case(report, params, config, plan, sampling, kv_cache_dtype, fp8_cache_math)
+        kv_case(report, params, config, plan, sampling, kv_cache_dtype)
     del model
     if quantize:
         quantized_cases(report, params, config, plan, sampling, quantize, prompt, prompts)
@@ -191,8 +187,7 @@ def run(
             rows.append([f"{name} {scheme}", ours, None, None, None, None, None])
     if kv_cache_dtype:
         rows.append([f"kv bs{plan.batch} {dtype}", report.figures["kv_tok_s"], *[None] * 5])
-        maths = [f"kv_{kv_cache_dtype}_{math}" for math in fp8_cache_math]
-        for name in (f"kv_{kv_cache_dtype}", f"kv_{kv_cache_dtype}_xla", *maths):
+        for name in (f"kv_{kv_cache_dtype}", f"kv_{kv_cache_dtype}_xla"):
             kv = report.figures.get(f"{name}_tok_s")
             rows.append([f"{name.replace('kv_', f'kv bs{plan.batch} ')}", kv, *[None] * 5])
             report.ratios[f"{name}_over_bf16"] = ratio(kv, report.figures["kv_tok_s"])
@@ -230,13 +225,7 @@ def quantized_cases(
 
 
 def kv_case(
-    report: Report,
-    params: Any,
-    config: Any,
-    plan: Plan,
-    sampling: Any,
-    kv_cache_dtype: str,
-    fp8_cache_math: tuple[str, ...] = (),
+    report: Report, params: Any, config: Any, plan: Plan, sampling: Any, kv_cache_dtype: str
 ) -> None:
     """A batch over ``plan.kv_prompt`` keys per row, with the float and the narrow K/V cache,
     the narrow one through the default dispatch (our kernel reads it in place) and through
@@ -249,10 +238,6 @@ def kv_case(
         ("kv", "auto", {}),
         (f"kv_{kv_cache_dtype}", kv_cache_dtype, {}),
         (f"kv_{kv_cache_dtype}_xla", kv_cache_dtype, {"pallas_fp8_cache": False}),
-        *[
-            (f"kv_{kv_cache_dtype}_{math}", kv_cache_dtype, {"fp8_cache_math": math})
-            for math in fp8_cache_math
-        ],
     )
     for name, cache_dtype, fields in cases:
         try:

@@ -47,8 +47,7 @@ from pallas_kernels._mosaic import MASKED, triton_params
 from pallas_kernels.paged_attention import paged_attention_reference
 
 MIN_DOT_ROWS = 16  # Triton's smallest tensor-core tile: the G query heads are padded to it
-_LAST_AXES = (((1,), (1,)), ((), ()))
-_FP8_MAX = 448.0  # E4M3's largest finite value  # dot_general: contract both operands' last axis
+_LAST_AXES = (((1,), (1,)), ((), ()))  # dot_general: contract both operands' last axis
 
 
 def dequantize_pages(pages: jax.Array, scale: jax.Array) -> jax.Array:
@@ -65,29 +64,10 @@ def scaled_paged_attention_reference(
     block_table: jax.Array,
     lengths: jax.Array,
     scale: float | None = None,
-    narrow_scores: bool = False,
 ) -> jax.Array:
-    """The jnp reference: the pages dequantized, then ``paged_attention_reference``;
-    ``narrow_scores``: q rounded first as the kernel's ``narrow_scores`` rounds it."""
+    """The jnp reference: the pages dequantized, then ``paged_attention_reference``."""
     k, v = dequantize_pages(k_pages, k_scale), dequantize_pages(v_pages, v_scale)
-    if narrow_scores:
-        b, _, n, h = q.shape
-        kv_heads = k_pages.shape[2]
-        softmax_scale = h**-0.5 if scale is None else scale
-        grouped = q.reshape(b, kv_heads, n // kv_heads, h).astype(jnp.float32) * softmax_scale
-        q8, q_scale = narrow_queries(grouped)
-        rounded = q8.astype(jnp.float32) * q_scale[:, :, None, None] / softmax_scale
-        q = rounded.reshape(b, 1, n, h)
     return paged_attention_reference(q, k, v, block_table, lengths, scale=scale)
-
-
-def narrow_queries(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """fp32 queries ``[B, K, R, H]`` as E4M3 with one scale per (row, kv head): each group's
-    largest magnitude maps to E4M3's largest finite value (448). -> (q8, scale [B, K])."""
-    amax = jnp.max(jnp.abs(q), axis=(2, 3))
-    scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-    q8 = jnp.clip(q / scale[:, :, None, None], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q8, scale
 
 
 def _power_of_two(n: int) -> bool:
@@ -128,8 +108,6 @@ def scaled_paged_attention(
     keys_per_step: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
-    narrow_scores: bool = False,
-    narrow_values: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """q [B,1,N,H] over each row's first ``lengths[b]`` keys in E4M3 ``k/v_pages [P,L,K,H]``
@@ -138,11 +116,8 @@ def scaled_paged_attention(
     ``programs``: each row's pages are split into runs until the grid has about this many
     programs (4 per SM of an H200); ``keys_per_step``: a program's loop takes this many keys
     a step (``keys_per_step / L`` pages gathered at once; 128-key steps read fastest on the
-    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining. ``narrow_scores``:
-    q is quantized to E4M3 too (``narrow_queries``) and the scores take the pages' bytes on
-    the tensor cores as they are, so only the values are widened; ``narrow_values``: the
-    softmax weights (times 448, E4M3's largest value) are rounded to E4M3 and take the value
-    bytes unwidened. ``interpret`` runs the kernel on the CPU (tests).
+    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining. ``interpret`` runs
+    the kernel on the CPU (tests).
     """
     b, _, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
@@ -162,27 +137,18 @@ def scaled_paged_attention(
     # [B, K, 16, H]: each kv head's query heads, padded to the dot's 16 rows.
     queries = q.reshape(b, kv_heads, g, h)
     queries = jnp.pad(queries, ((0, 0), (0, 0), (0, MIN_DOT_ROWS - g), (0, 0)))
-    if narrow_scores:
-        queries, score_scale = narrow_queries(queries.astype(jnp.float32) * scale)
-        score_scale = score_scale * k_scale.astype(jnp.float32)[None, :]
-    else:
-        # The softmax scale applied to q once, in fp32, before q narrows to fp16 (the pages'
-        # widening type: see the module's docstring), saturated where it would overflow fp16.
-        big = float(jnp.finfo(jnp.float16).max)
-        queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
-        score_scale = jnp.broadcast_to(k_scale.astype(jnp.float32)[None, :], (b, kv_heads))
+    # The softmax scale applied to q once, in fp32, before q narrows to fp16 (the pages'
+    # widening type: see the module's docstring), saturated where it would overflow fp16.
+    big = float(jnp.finfo(jnp.float16).max)
+    queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
     kernel = functools.partial(
-        _kernel,
-        pages_per_split=run,
-        pages_per_step=per_step,
-        page_size=page_size,
-        narrow_values=narrow_values,
+        _kernel, pages_per_split=run, pages_per_step=per_step, page_size=page_size
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
     inputs = [
         lengths.astype(jnp.int32),
         table,
-        score_scale,
+        k_scale,
         v_scale,
         queries,
         k_pages,
@@ -223,7 +189,7 @@ def scaled_paged_attention(
 def _kernel(
     lengths_ref,
     table_ref,
-    score_scale_ref,
+    k_scale_ref,
     v_scale_ref,
     q_ref,
     k_ref,
@@ -235,7 +201,6 @@ def _kernel(
     pages_per_split: int,
     pages_per_step: int,
     page_size: int,
-    narrow_values: bool,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
@@ -245,9 +210,8 @@ def _kernel(
     visible = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
     num_steps = jnp.maximum(visible - first + pages_per_step - 1, 0) // pages_per_step
     keys = pages_per_step * page_size  # a step's keys
-    # The head's scales (and a narrow q's) factor out of the sums: applied to the fp32
-    # scores and output.
-    score_scale, v_scale = score_scale_ref[row, head], v_scale_ref[head]
+    # The head's scales factor out of the sums: applied to the fp32 scores and output.
+    k_scale, v_scale = k_scale_ref[head], v_scale_ref[head]
 
     def narrow(pages_ref, start):  # [keys, H]: the step's pages, one after the other
         if pages_per_step == 1:
@@ -260,24 +224,20 @@ def _kernel(
     def attend(i, carry):
         run_max, run_sum, acc = carry
         start = first + i * pages_per_step
-        k = narrow(k_ref, start).astype(q.dtype)  # exact (E4M3 to itself or to fp16)
-        v = narrow(v_ref, start)
-        if not narrow_values:
-            v = v.astype(jnp.float16)
+        k = narrow(k_ref, start).astype(jnp.float16)  # exact
+        v = narrow(v_ref, start).astype(jnp.float16)
         # [16, keys] in fp32: q against the keys' rows (both operands' last axis contracted)
         scores = lax.dot_general(q, k, _LAST_AXES, preferred_element_type=jnp.float32)
-        scores = scores * score_scale
+        scores = scores * k_scale
         positions = start * page_size + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
         scores = jnp.where(positions < length, scores, MASKED)
         new_max = jnp.maximum(run_max, jnp.max(scores, axis=1))
         correction = jnp.exp(run_max - new_max)
         weights = jnp.exp(scores - new_max[:, None])
         run_sum = run_sum * correction + jnp.sum(weights, axis=1)
-        if narrow_values:  # weights in [0, 1] spread over E4M3's range, undone at the end
-            weights_v = (weights * _FP8_MAX).astype(v.dtype)
-        else:
-            weights_v = weights.astype(v.dtype)
-        acc = acc * correction[:, None] + jnp.dot(weights_v, v, preferred_element_type=jnp.float32)
+        acc = acc * correction[:, None] + jnp.dot(
+            weights.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
         return new_max, run_sum, acc
 
     rows, h = q.shape
@@ -287,6 +247,6 @@ def _kernel(
         jnp.zeros((rows, h), jnp.float32),
     )
     run_max, run_sum, acc = lax.fori_loop(0, num_steps, attend, start)
-    acc_ref[...] = acc * (v_scale / _FP8_MAX if narrow_values else v_scale)
+    acc_ref[...] = acc * v_scale
     max_ref[...] = run_max
     sum_ref[...] = run_sum

@@ -178,7 +178,7 @@ def cache_attention(
         return _per_shard(read, options, args, specs, _BY_HEADS)
     if is_narrow(k_cache):
         if scaled_paged_picked(q, k_cache, sliding_window, options):
-            return scaled_paged_attention(q, k_cache, v_cache, slots, mask, options)
+            return scaled_paged_attention(q, k_cache, v_cache, slots, mask)
         keys, values = read_rows(k_cache, slots), read_rows(v_cache, slots)
         return narrow_cache_attention(q, keys, values, mask, sliding_window, options)
     kernel = paged_kernel(q, k_cache, sliding_window, options)
@@ -271,22 +271,16 @@ def scaled_paged_attention(
     v_cache: ScaledLayer | PagedLayer,
     slots: jax.Array | None,
     mask: AttentionMask,
-    options: KernelOptions = KernelOptions(),
 ) -> jax.Array:
     """q [B,1,N,H] over the fp8 rows ``slots`` read in place by our kernel (interpreted off
-    the GPU), its dots as ``options.fp8_cache_math`` says."""
+    the GPU)."""
     from pallas_kernels.scaled_paged_attention import scaled_paged_attention as kernel
 
     k_pages, table, k_scale = narrow_pages(k_cache, slots)
     v_pages, _, v_scale = narrow_pages(v_cache, slots)
     lengths = _one_query_lengths(mask)
-    math = options.fp8_cache_math
-    return kernel(
-        q, k_pages, v_pages, k_scale, v_scale, table, lengths,
-        narrow_scores=math in ("e4m3_scores", "e4m3"),
-        narrow_values=math == "e4m3",
-        interpret=jax.default_backend() != "gpu",
-    )  # fmt: skip
+    interpret = jax.default_backend() != "gpu"
+    return kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, interpret=interpret)
 
 
 def narrow_cache_attention(

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from jax.sharding import Mesh
 
 IMPLEMENTATIONS = (None, "xla", "cudnn", "pallas")
-FP8_CACHE_MATH = ("fp16", "e4m3_scores", "e4m3")  # what the fp8 cache kernel's dots read
 
 
 @dataclass(frozen=True)
@@ -85,13 +84,6 @@ class KernelOptions:
     fallback (rows dequantized, then its split-K form). Llama-3-8B shapes, 64 rows x 4,096
     keys on the H200: 5 814 tok/s with it, 591 without, bf16 cache 5 050.
 
-    ``fp8_cache_math``: what that kernel's tensor cores read. "fp16" (the default): the E4M3
-    keys and values widened to fp16 (exact), q in fp16. "e4m3_scores": q rounded to E4M3 with
-    one scale per row and kv head, so the scores take the key bytes as they are. "e4m3": the
-    softmax weights too (times 448, E4M3's largest value) against the value bytes, as
-    FlashAttention-3's fp8 path does. Each rounding adds ~2% of relative error to the output
-    (random data), beside the ~4.5% of the E4M3 cache itself.
-
     ``mesh``: a tensor-parallel model's one-axis ("tp") mesh. Attention then runs per shard
     under ``shard_map`` (each device its own query and KV heads, through the same dispatch, so
     cuDNN's and our kernels see whole heads); ``implementation="xla"`` leaves it to XLA's SPMD
@@ -110,7 +102,6 @@ class KernelOptions:
     pallas_layer_norm: bool = True
     pallas_quantized_matmul: bool = True
     pallas_fp8_cache: bool = True
-    fp8_cache_math: str = "fp16"
     mesh: Mesh | None = None
     quantized_matmul_max_rows: int = 16
 
@@ -126,10 +117,6 @@ class KernelOptions:
             raise ValueError(
                 f"ragged_query_blocks is {self.ragged_query_blocks}: give None (the dispatch "
                 "picks), 0 (a row per chunk) or the queries per row"
-            )
-        if self.fp8_cache_math not in FP8_CACHE_MATH:
-            raise ValueError(
-                f"unknown fp8_cache_math {self.fp8_cache_math!r}: give one of {FP8_CACHE_MATH}"
             )
         if self.paged_walk_consumers not in (0, 1):  # the decode walk's one 64-row block
             raise ValueError(f"paged_walk_consumers is {self.paged_walk_consumers}: give 0 or 1")
