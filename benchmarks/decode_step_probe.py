@@ -9,10 +9,10 @@ Builds the serving engine's ``PagedExecutor`` over a random Llama-3-8B (no warm-
 other programs) and a pool of the suite's size (``gpu_memory_utilization``: cuDNN's paged
 attention, which needs rows x table-width pages, then takes the widths it takes there).
 Decode, per (rows, context): the device's time a step of the decoder's decode program (the
-engine's forward at that width) dispatched back to back, the rows'
-lengths copied back before each step, its floor (the weights and the rows' K/V read once at
-the read ceiling measured in this run), and a trace of ``--traced`` steps: each kernel's
-time a step, largest first. ``--prefill`` does the same for ragged prefill steps (the
+engine's forward at that width) dispatched back to back, the rows' lengths copied back
+before each step, its floor (the weights and the rows' K/V read once at the read ceiling
+measured in this run), and a trace of ``--traced`` steps: each kernel's time a step,
+largest first. ``--prefill`` does the same for ragged prefill steps (the
 decoder's ``prefill``, ragged, as the engine's ``prefill_returning_inputs`` runs it; the
 lengths copied back each call too): ``cached_wave``, 8 rows of 72 new tokens
 after 1 000 cached keys in a stream of 576, with the 256-slot engine's decode rows riding

@@ -439,8 +439,7 @@ class Engine:
         """The pages that fill ``utilization`` of the device's memory (``pages_that_fit``);
         at least one sequence of max_model_len's."""
         # An fp8 cache holds a key or value in a byte: twice the pages of a bf16 one.
-        narrow = getattr(self.model.runner, "kv_cache_dtype", "auto") == "fp8"
-        itemsize = 1 if narrow else np.dtype(self.model.dtype).itemsize
+        itemsize = 1 if self.model.kv_cache_dtype == "fp8" else np.dtype(self.model.dtype).itemsize
         pages = pages_that_fit(
             self.model.config, itemsize, utilization, page_size, max_batch_tokens, self.num_slots
         )
