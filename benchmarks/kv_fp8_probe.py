@@ -2,7 +2,7 @@
 suite's bs=64 x 4,096 keys (Llama-3-8B's 32 query / 8 kv heads, head dim 128), every variant
 device-timed in one process beside the bf16 cache's attention and the read ceiling.
 
-    PYTHONPATH=. python benchmarks/kv_fp8_probe.py [--only NAME ...] [--layers 4]
+    PYTHONPATH=. python benchmarks/kv_fp8_probe.py [--only NAME ...] [--layers 4] [--tiny]
 
 Each variant runs ``--layers`` layers' attention (separate caches, so nothing stays in L2) in
 one jitted call; the figure is the cache bytes read per second of device time
@@ -16,7 +16,8 @@ one jitted call; the figure is the cache bytes read per second of device time
 - ``fp8_read``: XLA's sum over the E4M3 bytes of every layer's cache (the same bytes, read
   once): what a plain read of narrow bytes reaches here, beside the bf16 read ceiling.
 
-Each output is checked against the jnp reference (relative error printed).
+Each output is checked against the jnp reference (relative error printed). ``--tiny``: 2 rows
+of 256 keys, the kernels interpreted, no read ceiling (the CPU: a smoke run).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from spark_jax.ops.attention import cache_attention
 from spark_jax.ops.kv_cache import ScaledLayer, quantize_kv
 from spark_jax.ops.reference import AttentionMask
 
-ROWS, KEYS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 64, 4096, 32, 8, 128, 128
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 128
 
 KERNELS = {
     "kernel_w4_s3": dict(num_warps=4, num_stages=3),
@@ -57,43 +58,37 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="small shapes, interpreted (CPU)")
     args = parser.parse_args()
-    global ROWS, KEYS
-    if args.tiny:
-        ROWS, KEYS = 2, 256
-        for knobs in KERNELS.values():
-            knobs["interpret"] = True
+    rows, keys = (2, 256) if args.tiny else (64, 4096)
     wanted = lambda name: args.only is None or name in args.only
 
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((ROWS, 1, HEADS, HEAD_DIM)), jnp.bfloat16)
-    lengths = jnp.full((ROWS,), KEYS, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((rows, 1, HEADS, HEAD_DIM)), jnp.bfloat16)
+    lengths = jnp.full((rows,), keys, jnp.int32)
     mask = AttentionMask(query_positions=lengths[:, None] - 1, key_lengths=lengths)
-    shape = (ROWS, KEYS, KV_HEADS, HEAD_DIM)
+    shape = (rows, keys, KV_HEADS, HEAD_DIM)
     layers = []
     for i in range(args.layers):
         key = jax.random.key(i)
         k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in jax.random.split(key))
         scales = [jnp.full((KV_HEADS,), 0.01, jnp.bfloat16) for _ in range(2)]
         layers.append((k, v, *scales, quantize_kv(k, scales[0]), quantize_kv(v, scales[1])))
-    table = jnp.arange(ROWS * KEYS // PAGE, dtype=jnp.int32).reshape(ROWS, KEYS // PAGE)
+    table = jnp.arange(rows * keys // PAGE, dtype=jnp.int32).reshape(rows, keys // PAGE)
     pages = lambda x: x.reshape(-1, PAGE, KV_HEADS, HEAD_DIM)
     read = 1e12 if args.tiny else read_bandwidth()
     results = {"read_ceiling_tb_s": read / 1e12, "device": str(jax.devices()[0])}
-    narrow_bytes = 2 * ROWS * KEYS * KV_HEADS * HEAD_DIM * args.layers
+    narrow_bytes = 2 * rows * keys * KV_HEADS * HEAD_DIM * args.layers
+    _, _, ks, vs, k8, v8 = layers[0]
+    reference = np.asarray(
+        spa.scaled_paged_attention_reference(q, pages(k8), pages(v8), ks, vs, table, lengths),
+        np.float32,
+    )  # layer 0's, against which every variant's layer 0 is checked
 
     def variant(name, one_layer, nbytes):
         jitted = jax.jit(lambda layers: [one_layer(*layer) for layer in layers])
         fn = lambda: jitted(layers)
         try:
-            outs = fn()
-            reference = [
-                spa.scaled_paged_attention_reference(
-                    q, pages(k8), pages(v8), ks, vs, table, lengths
-                )
-                for (_, _, ks, vs, k8, v8) in layers[:1]
-            ]
-            out, ref = (np.asarray(x[0], np.float32) for x in (outs, reference))
-            error = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            out = np.asarray(fn()[0], np.float32)
+            error = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
             seconds = back_to_back_seconds(fn, calls=args.calls)
         except Exception as e:  # a variant that does not compile is reported, not fatal
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -133,7 +128,15 @@ def main() -> None:
             variant(
                 name,
                 lambda _k, _v, ks, vs, k8, v8, knobs=knobs: spa.scaled_paged_attention(
-                    q, pages(k8), pages(v8), ks, vs, table, lengths, **knobs
+                    q,
+                    pages(k8),
+                    pages(v8),
+                    ks,
+                    vs,
+                    table,
+                    lengths,
+                    **knobs,
+                    interpret=args.tiny,
                 ),
                 narrow_bytes,
             )
