@@ -12,7 +12,7 @@ one jitted call; the figure is the cache bytes read per second of device time
 - ``fp8``: ``cache_attention`` over a dense E4M3 cache (``ScaledLayer``: our kernel as the
   engine calls it).
 - ``kernel_*``: ``pallas_kernels.scaled_paged_attention`` on the cache as 128-key pages with
-  its knobs named: ``h`` kv heads a program, ``w`` warps, ``s`` stages, ``k`` keys a step.
+  its knobs named: ``w`` warps, ``s`` stages, ``k`` keys a step, ``p`` programs.
 - ``fp8_read``: XLA's sum over the E4M3 bytes of every layer's cache (the same bytes, read
   once): what a plain read of narrow bytes reaches here, beside the bf16 read ceiling.
 
@@ -41,15 +41,13 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 128
 KERNELS = {
     "kernel_w4_s3": dict(num_warps=4, num_stages=3),
     "kernel_w4_s2": dict(num_warps=4, num_stages=2),
+    "kernel_w4_s4": dict(num_warps=4, num_stages=4),
+    "kernel_w4_s5": dict(num_warps=4, num_stages=5),
+    "kernel_w4_s6": dict(num_warps=4, num_stages=6),
+    "kernel_w8_s3": dict(num_warps=8, num_stages=3),
     "kernel_w4_s3_k64": dict(num_warps=4, num_stages=3, keys_per_step=64),
-    "kernel_h2_w4_s3_k64": dict(heads_per_program=2, num_warps=4, num_stages=3, keys_per_step=64),
-    "kernel_h2_w4_s2_k128": dict(heads_per_program=2, num_warps=4, num_stages=2),
-    "kernel_h2_w4_s3_k128": dict(heads_per_program=2, num_warps=4, num_stages=3),
-    "kernel_h4_w4_s3_k32": dict(heads_per_program=4, num_warps=4, num_stages=3, keys_per_step=32),
-    "kernel_h4_w4_s2_k64": dict(heads_per_program=4, num_warps=4, num_stages=2, keys_per_step=64),
-    "kernel_h4_w8_s3_k64": dict(heads_per_program=4, num_warps=8, num_stages=3, keys_per_step=64),
-    "kernel_h8_w8_s3_k16": dict(heads_per_program=8, num_warps=8, num_stages=3, keys_per_step=16),
-    "kernel_h8_w8_s3_k32": dict(heads_per_program=8, num_warps=8, num_stages=3, keys_per_step=32),
+    "kernel_w4_s2_k256": dict(num_warps=4, num_stages=2, keys_per_step=256),
+    "kernel_w4_s3_p1056": dict(num_warps=4, num_stages=3, programs=1056),
 }
 
 

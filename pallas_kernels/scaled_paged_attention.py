@@ -106,7 +106,6 @@ def scaled_paged_attention(
     *,
     programs: int = 528,
     keys_per_step: int = 128,
-    heads_per_program: int = 1,
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
@@ -114,108 +113,77 @@ def scaled_paged_attention(
     """q [B,1,N,H] over each row's first ``lengths[b]`` keys in E4M3 ``k/v_pages [P,L,K,H]``
     (values ``pages * k/v_scale [K]``) through ``block_table`` int32[B, W] -> [B,1,N,H].
 
-    ``programs``: each row's keys are split into runs until the grid has about this many
-    programs (4 per SM of an H200); ``keys_per_step`` (a power of two, at least 16): a
-    program's loop takes this many keys a step (several pages gathered at once, or part of
-    one page; 128-key steps read fastest on the H200); ``heads_per_program``: kv heads a
-    program reads side by side (their bytes of a key lie next to each other in a page), as
-    one block-diagonal dot; ``num_warps`` / ``num_stages``: Triton's launch and pipelining.
-    ``interpret`` runs the kernel on the CPU (tests).
+    ``programs``: each row's pages are split into runs until the grid has about this many
+    programs (4 per SM of an H200); ``keys_per_step``: a program's loop takes this many keys
+    a step (``keys_per_step / L`` pages gathered at once; 128-key steps read fastest on the
+    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining. ``interpret`` runs
+    the kernel on the CPU (tests).
     """
     b, _, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
-    g, hp = n // kv_heads, heads_per_program
-    if kv_heads % hp or not _power_of_two(keys_per_step) or keys_per_step < MIN_DOT_ROWS:
-        raise ValueError(
-            f"heads_per_program={hp} must divide the {kv_heads} kv heads and keys_per_step="
-            f"{keys_per_step} must be a power of two of at least {MIN_DOT_ROWS}."
-        )
-    groups, rows = kv_heads // hp, max(MIN_DOT_ROWS, _next_power_of_two(hp * g))
-    steps = -(-block_table.shape[1] * page_size // keys_per_step)  # steps of a whole row
+    g = n // kv_heads
+    width = block_table.shape[1]
+    per_step = max(1, keys_per_step // page_size)  # pages a step gathers
+    steps = -(-width // per_step)  # steps of a whole row
     splits = 1
-    while b * groups * splits * 2 <= programs and splits * 2 <= steps:
+    while b * kv_heads * splits * 2 <= programs and splits * 2 <= steps:
         splits *= 2
-    keys_per_split = -(-steps // splits) * keys_per_step  # whole steps
-    table = jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1)
-    width = -(-splits * keys_per_split // page_size)  # entries the last step may index
-    table = jnp.pad(table, ((0, 0), (0, max(0, width - table.shape[1]))))
-    queries = _block_diagonal_queries(q, kv_heads, hp, rows, h**-0.5 if scale is None else scale)
-    row_scale = lambda s: jnp.pad(  # each query row's head's scale, [groups, rows]
-        jnp.repeat(s.astype(jnp.float32).reshape(groups, hp), g, axis=1),
-        ((0, 0), (0, rows - hp * g)),
-        constant_values=1.0,
+    run = -(-steps // splits) * per_step  # pages per split, whole steps
+    table = jnp.pad(
+        jnp.clip(block_table.astype(jnp.int32), 0, num_pages - 1),
+        ((0, 0), (0, run * splits - width)),
     )
+    scale = h**-0.5 if scale is None else scale
+    # [B, K, 16, H]: each kv head's query heads, padded to the dot's 16 rows.
+    queries = q.reshape(b, kv_heads, g, h)
+    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, MIN_DOT_ROWS - g), (0, 0)))
+    # The softmax scale applied to q once, in fp32, before q narrows to fp16 (the pages'
+    # widening type: see the module's docstring), saturated where it would overflow fp16.
+    big = float(jnp.finfo(jnp.float16).max)
+    queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
     kernel = functools.partial(
-        _kernel, keys_per_split=keys_per_split, keys_per_step=keys_per_step, page_size=page_size
+        _kernel, pages_per_split=run, pages_per_step=per_step, page_size=page_size
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
-    side_by_side = lambda p: p.reshape(num_pages, page_size, kv_heads * h)  # free
     inputs = [
         lengths.astype(jnp.int32),
         table,
-        row_scale(k_scale),
-        row_scale(v_scale),
+        k_scale,
+        v_scale,
         queries,
-        side_by_side(k_pages),
-        side_by_side(v_pages),
+        k_pages,
+        v_pages,
     ]
     in_specs = [whole(x) for x in inputs]
-    in_specs[4] = pl.BlockSpec((None, None, rows, hp * h), lambda i, j, c: (i, j, 0, 0))
-    part = (b, groups, splits, rows)
+    in_specs[4] = pl.BlockSpec((None, None, MIN_DOT_ROWS, h), lambda i, j, c: (i, j, 0, 0))
+    part = (b, kv_heads, splits, MIN_DOT_ROWS)
     out_shape = [
-        jax.ShapeDtypeStruct((*part, hp * h), jnp.float32),  # unnormalized outputs
+        jax.ShapeDtypeStruct((*part, h), jnp.float32),  # unnormalized outputs
         jax.ShapeDtypeStruct(part, jnp.float32),  # running max
         jax.ShapeDtypeStruct(part, jnp.float32),  # running sum
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, rows, hp * h), lambda i, j, c: (i, j, c, 0, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda i, j, c: (i, j, c, 0)),
+        pl.BlockSpec((None, None, None, MIN_DOT_ROWS, h), lambda i, j, c: (i, j, c, 0, 0)),
+        pl.BlockSpec((None, None, None, MIN_DOT_ROWS), lambda i, j, c: (i, j, c, 0)),
+        pl.BlockSpec((None, None, None, MIN_DOT_ROWS), lambda i, j, c: (i, j, c, 0)),
     ]
     acc, run_max, run_sum = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(b, groups, splits),
+        grid=(b, kv_heads, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         compiler_params=triton_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="scaled_paged_attention",
     )(*inputs)
-    # Each query row's own head's columns, and its statistics, per kv head: [B, K, C, G(, H)].
-    real = lambda x: x[:, :, :, : hp * g].reshape(b, groups, splits, hp, g, *x.shape[4:])
-    per_head = lambda x: jnp.moveaxis(x, 3, 2).reshape(b, kv_heads, splits, *x.shape[4:])
-    acc = real(acc).reshape(b, groups, splits, hp, g, hp, h)
-    acc = per_head(jnp.stack([acc[:, :, :, a, :, a] for a in range(hp)], axis=3))
-    run_max, run_sum = per_head(real(run_max)), per_head(real(run_sum))
     # The log-sum-exp merge of the splits; a split that saw no key has max MASKED, weight 0.
     top = jnp.max(run_max, axis=2, keepdims=True)
-    weight = jnp.exp(run_max - top)  # [B, K, C, G]
+    weight = jnp.exp(run_max - top)  # [B, K, C, 16]
     total = jnp.sum(run_sum * weight, axis=2)
     out = jnp.sum(acc * weight[..., None], axis=2) / jnp.maximum(total, 1e-30)[..., None]
     out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
-    return out.reshape(b, 1, n, h).astype(q.dtype)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _block_diagonal_queries(
-    q: jax.Array, kv_heads: int, hp: int, rows: int, scale: float
-) -> jax.Array:
-    """[B, K / hp, rows, hp * H] fp16: row a * G + g holds query head g of the program's kv
-    head a in columns a * H .. (a + 1) * H and zeros elsewhere, so one dot against the hp
-    heads' keys laid side by side gives each row its own head's scores. The softmax scale
-    is applied in fp32 before q narrows to fp16 (the pages' widening type: see the module's
-    docstring), saturated where it would overflow fp16."""
-    b, _, n, h = q.shape
-    g, groups = n // kv_heads, kv_heads // hp
-    big = float(jnp.finfo(jnp.float16).max)
-    heads = jnp.clip(q.astype(jnp.float32) * scale, -big, big).reshape(b, groups, hp, g, 1, h)
-    blocks = heads * jnp.eye(hp, dtype=jnp.float32)[:, None, :, None]  # [B, K/hp, hp, G, hp, H]
-    blocks = blocks.reshape(b, groups, hp * g, hp * h)
-    return jnp.pad(blocks, ((0, 0), (0, 0), (0, rows - hp * g), (0, 0))).astype(jnp.float16)
+    return out[:, :, :g].reshape(b, 1, n, h).astype(q.dtype)
 
 
 def _kernel(
@@ -230,38 +198,38 @@ def _kernel(
     max_ref,
     sum_ref,
     *,
-    keys_per_split: int,
-    keys_per_step: int,
+    pages_per_split: int,
+    pages_per_step: int,
     page_size: int,
 ):
-    row, group, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[row]
-    q = q_ref[...]  # [R, hp * H]
-    columns = pl.ds(group * q.shape[1], q.shape[1])  # the program's kv heads, side by side
-    first = split * keys_per_split
+    q = q_ref[...]  # [16, H]
+    first = split * pages_per_split
     # Steps of this run that hold keys below the length (none: the run is skipped).
-    visible = jnp.minimum(first + keys_per_split, length)
-    num_steps = jnp.maximum(visible - first + keys_per_step - 1, 0) // keys_per_step
-    # Each row's head's scales factor out of the sums: applied to the fp32 scores and output.
-    k_scale, v_scale = k_scale_ref[group, :], v_scale_ref[group, :]
+    visible = jnp.minimum(first + pages_per_split, (length + page_size - 1) // page_size)
+    num_steps = jnp.maximum(visible - first + pages_per_step - 1, 0) // pages_per_step
+    keys = pages_per_step * page_size  # a step's keys
+    # The head's scales factor out of the sums: applied to the fp32 scores and output.
+    k_scale, v_scale = k_scale_ref[head], v_scale_ref[head]
 
-    def narrow(pages_ref, start):  # [keys, hp * H]: the step's keys from ``start`` on
-        if keys_per_step <= page_size:  # within one page
-            page = table_ref[row, start // page_size]
-            return pages_ref[page, pl.ds(start % page_size, keys_per_step), columns]
-        # Gathered key by key (page id, offset in the page): one [keys, hp * H] load.
-        at = start + lax.broadcasted_iota(jnp.int32, (keys_per_step,), 0)
-        return pages_ref[table_ref[row, at // page_size], at % page_size, columns]
+    def narrow(pages_ref, start):  # [keys, H]: the step's pages, one after the other
+        if pages_per_step == 1:
+            return pages_ref[table_ref[row, start], :, head, :]
+        # Gathered key by key (page id, offset in the page): one [keys, H] load, no reshape.
+        at = lax.broadcasted_iota(jnp.int32, (keys,), 0)
+        ids = table_ref[row, start + at // page_size]
+        return pages_ref[ids, at % page_size, head, :]
 
     def attend(i, carry):
         run_max, run_sum, acc = carry
-        start = first + i * keys_per_step
+        start = first + i * pages_per_step
         k = narrow(k_ref, start).astype(jnp.float16)  # exact
         v = narrow(v_ref, start).astype(jnp.float16)
-        # [R, keys] in fp32: q against the keys' rows (both operands' last axis contracted)
+        # [16, keys] in fp32: q against the keys' rows (both operands' last axis contracted)
         scores = lax.dot_general(q, k, _LAST_AXES, preferred_element_type=jnp.float32)
-        scores = scores * k_scale[:, None]
-        positions = start + lax.broadcasted_iota(jnp.int32, (1, keys_per_step), 1)
+        scores = scores * k_scale
+        positions = start * page_size + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
         scores = jnp.where(positions < length, scores, MASKED)
         new_max = jnp.maximum(run_max, jnp.max(scores, axis=1))
         correction = jnp.exp(run_max - new_max)
@@ -272,13 +240,13 @@ def _kernel(
         )
         return new_max, run_sum, acc
 
-    rows, width = q.shape
+    rows, h = q.shape
     start = (
         jnp.full((rows,), MASKED, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, width), jnp.float32),
+        jnp.zeros((rows, h), jnp.float32),
     )
     run_max, run_sum, acc = lax.fori_loop(0, num_steps, attend, start)
-    acc_ref[...] = acc * v_scale[:, None]
+    acc_ref[...] = acc * v_scale
     max_ref[...] = run_max
     sum_ref[...] = run_sum
