@@ -66,12 +66,21 @@ def test_kernel_matches_the_reference(heads, kv_heads, page_size, programs, keys
 
 def test_queries_beyond_fp16s_range_saturate_instead_of_overflowing():
     # The kernel takes q in fp16: one component of 1e6 (1.25e5 after the 1 / 8 scale)
-    # overflows it unless it saturates; either way that component's key dominates.
-    q, *rest = _paged_case(2, 3, 8, 2, 64, 16, 4, [9, 40, 64])
-    q = q.at[:, 0, 3, 5].set(1e6)
-    out = spa.scaled_paged_attention(q, *rest, interpret=not ON_GPU)
+    # overflows it unless it saturates (inf times the zero key components below would be NaN).
+    # Only each row's first key has that component (1.0, the others 0), so that key alone
+    # dominates the head's softmax in the kernel and the reference alike: with tied keys the
+    # tie would be broken by the other components' few units, below f32's resolution at
+    # scores ~1e5, which the kernel and the reference round in different orders.
+    q, k_pages, *rest = _paged_case(2, 3, 8, 2, 64, 16, 4, [9, 40, 64])
+    v_pages, _, v_scale, table, _ = rest
+    q = q.at[:, 0, 3, 5].set(1e6)  # query head 3 reads kv head 0 (G = 4)
+    k_pages = k_pages.at[:, :, 0, 5].set(0).at[table[:, 0], 0, 0, 5].set(1.0)
+    case = (q, k_pages, *rest)
+    out = spa.scaled_paged_attention(*case, interpret=not ON_GPU)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    assert _close(out, spa.scaled_paged_attention_reference(q, *rest))
+    assert _close(out, spa.scaled_paged_attention_reference(*case))
+    first_value = v_pages[table[:, 0], 0, 0].astype(jnp.float32) * v_scale[0].astype(jnp.float32)
+    assert _close(out[:, 0, 3], first_value)  # the head's output is that key's value
 
 
 def test_applies_only_where_its_constraints_hold():
