@@ -442,6 +442,14 @@ def write_json(line: dict[str, Any], suite: str, out: str | None) -> Path:
     return path
 
 
+def write_probe_json(results: dict[str, Any], probe: str) -> None:
+    """A probe's results as $OUT/<probe>.json when $OUT is set (the device machine's result
+    folder, which comes back); nothing elsewhere (probes print their figures)."""
+    device_out = os.environ.get("OUT")
+    if device_out:
+        (Path(device_out) / f"{probe}.json").write_text(json.dumps(results, indent=1))
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """A plain fixed-width table; floats with 3 significant digits."""
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import jax
 
 import spark_jax as sj
-from benchmarks.common import llama, random_params, random_prompts
+from benchmarks.common import llama, random_params, random_prompts, write_probe_json
 from benchmarks.decode import FULL, TINY, measure
 
 
@@ -44,9 +43,7 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
     results["fp8_over_bf16"] = results["fp8"]["tok_s"] / results["bf16"]["tok_s"]
     print(json.dumps(results))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kv_decode_probe.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_probe_json(results, "kv_decode_probe")
 
 
 if __name__ == "__main__":

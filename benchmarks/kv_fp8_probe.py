@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import back_to_back_seconds, read_bandwidth
+from benchmarks.common import back_to_back_seconds, read_bandwidth, write_probe_json
 from pallas_kernels import scaled_paged_attention as spa
 from spark_jax.ops.attention import cache_attention
 from spark_jax.ops.kv_cache import ScaledLayer, quantize_kv
@@ -141,9 +140,7 @@ def main() -> None:
                 narrow_bytes,
             )
     print(json.dumps(results))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kv_fp8_probe.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_probe_json(results, "kv_fp8_probe")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 
-from benchmarks.common import random_params
+from benchmarks.common import random_params, write_probe_json
 from benchmarks.serving import FULL, SMALL, run_level, shared_prefix_workload, workload
 from benchmarks.serving_profile_probe import shared_timeline
 from spark_jax.ops.options import KernelOptions
@@ -95,9 +94,7 @@ def main() -> None:
     traced = level(requests[: 2 * c], c, (c, 8), python_tracer=False)
     out[f"trace_c{c}"] = traced.get("device_idle")
     print(f"C={c} traced:", json.dumps(traced.get("device_idle"), indent=1), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "prefill_ladder_probe.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    write_probe_json(out, "prefill_ladder_probe")
 
 
 if __name__ == "__main__":
