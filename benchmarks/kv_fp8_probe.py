@@ -12,7 +12,9 @@ one jitted call; the figure is the cache bytes read per second of device time
 - ``fp8``: ``cache_attention`` over a dense E4M3 cache (``ScaledLayer``: our kernel as the
   engine calls it).
 - ``kernel_*``: ``pallas_kernels.scaled_paged_attention`` on the cache as 128-key pages with
-  its knobs named: ``w`` warps, ``s`` stages, ``k`` keys a step, ``p`` programs.
+  its knobs named: ``w`` warps, ``s`` stages, ``k`` keys a step, ``p`` programs;
+  ``consecutive``: each row's page ids from its first entry (``consecutive_pages``, which the
+  probe's table allows), so no step's loads wait on a table entry's load.
 - ``fp8_read``: XLA's sum over the E4M3 bytes of every layer's cache (the same bytes, read
   once): what a plain read of narrow bytes reaches here, beside the bf16 read ceiling.
 
@@ -47,6 +49,8 @@ KERNELS = {
     "kernel_w4_s3_k64": dict(num_warps=4, num_stages=3, keys_per_step=64),
     "kernel_w4_s2_k256": dict(num_warps=4, num_stages=2, keys_per_step=256),
     "kernel_w4_s3_p1056": dict(num_warps=4, num_stages=3, programs=1056),
+    "kernel_w4_s3_consecutive": dict(num_warps=4, num_stages=3, consecutive_pages=True),
+    "kernel_w4_s2_consecutive": dict(num_warps=4, num_stages=2, consecutive_pages=True),
 }
 
 

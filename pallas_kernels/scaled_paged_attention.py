@@ -108,6 +108,7 @@ def scaled_paged_attention(
     keys_per_step: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
+    consecutive_pages: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
     """q [B,1,N,H] over each row's first ``lengths[b]`` keys in E4M3 ``k/v_pages [P,L,K,H]``
@@ -116,8 +117,11 @@ def scaled_paged_attention(
     ``programs``: each row's pages are split into runs until the grid has about this many
     programs (4 per SM of an H200); ``keys_per_step``: a program's loop takes this many keys
     a step (``keys_per_step / L`` pages gathered at once; 128-key steps read fastest on the
-    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining. ``interpret`` runs
-    the kernel on the CPU (tests).
+    H200); ``num_warps`` / ``num_stages``: Triton's launch and pipelining.
+    ``consecutive_pages``: the caller promises each row's pages follow one another
+    (``block_table[b, i] == block_table[b, 0] + i``, as a dense cache cut into pages has it),
+    so a program reads its row's first entry once instead of an entry a step, and no step's
+    page address waits on a load. ``interpret`` runs the kernel on the CPU (tests).
     """
     b, _, n, h = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape
@@ -142,7 +146,11 @@ def scaled_paged_attention(
     big = float(jnp.finfo(jnp.float16).max)
     queries = jnp.clip(queries.astype(jnp.float32) * scale, -big, big).astype(jnp.float16)
     kernel = functools.partial(
-        _kernel, pages_per_split=run, pages_per_step=per_step, page_size=page_size
+        _kernel,
+        pages_per_split=run,
+        pages_per_step=per_step,
+        page_size=page_size,
+        last_page=num_pages - 1 if consecutive_pages else None,
     )
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, c: (0,) * x.ndim)
     inputs = [
@@ -199,6 +207,7 @@ def _kernel(
     sum_ref,
     *,
     pages_per_split: int,
+    last_page: int | None,
     pages_per_step: int,
     page_size: int,
 ):
@@ -213,12 +222,22 @@ def _kernel(
     # The head's scales factor out of the sums: applied to the fp32 scores and output.
     k_scale, v_scale = k_scale_ref[head], v_scale_ref[head]
 
+    # Consecutive pages: the row's first page, read once (each step's pages follow from it).
+    row_first_page = None if last_page is None else table_ref[row, 0]
+
+    def page_ids(entries):  # the block-table entries' pages
+        if row_first_page is None:
+            return table_ref[row, entries]
+        # Kept in the pool: a last step of several pages may reach past the row's pages, as
+        # padded table entries do.
+        return jnp.minimum(row_first_page + entries, last_page)
+
     def narrow(pages_ref, start):  # [keys, H]: the step's pages, one after the other
         if pages_per_step == 1:
-            return pages_ref[table_ref[row, start], :, head, :]
+            return pages_ref[page_ids(start), :, head, :]
         # Gathered key by key (page id, offset in the page): one [keys, H] load, no reshape.
         at = lax.broadcasted_iota(jnp.int32, (keys,), 0)
-        ids = table_ref[row, start + at // page_size]
+        ids = page_ids(start + at // page_size)
         return pages_ref[ids, at % page_size, head, :]
 
     def attend(i, carry):

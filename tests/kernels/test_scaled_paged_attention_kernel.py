@@ -64,6 +64,36 @@ def test_kernel_matches_the_reference(heads, kv_heads, page_size, programs, keys
     assert np.all(np.asarray(out[0], np.float32) == 0)  # the empty row
 
 
+@pytest.mark.parametrize(
+    "page_size, programs, keys_per_step",
+    [
+        (16, 8, 16),
+        (16, 4096, 16),
+        (16, 8, 64),  # 4 pages a step: the last step reaches past the last row's pages
+        (32, 1, 128),
+    ],
+)
+def test_consecutive_pages_read_the_same_keys_as_the_table(page_size, programs, keys_per_step):
+    # A dense cache's table: row r's pages r * 6 .. r * 6 + 5, one after another, the last
+    # row's at the pool's end. The kernel told so reads each row's first entry alone.
+    q, k_pages, v_pages, k_scale, v_scale, _, lengths = _paged_case(
+        3, 5, 8, 2, 64, page_size, 6, [0, 1, 17, 96, 6 * page_size]
+    )
+    k_pages, v_pages = k_pages[:30], v_pages[:30]  # 5 rows x 6 pages: no spare page after
+    table = jnp.arange(30, dtype=jnp.int32).reshape(5, 6)
+    case = (q, k_pages, v_pages, k_scale, v_scale, table, lengths)
+    run = lambda consecutive: spa.scaled_paged_attention(
+        *case,
+        programs=programs,
+        keys_per_step=keys_per_step,
+        consecutive_pages=consecutive,
+        interpret=not ON_GPU,
+    )
+    out = run(True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(run(False), np.float32))
+    assert _close(out, spa.scaled_paged_attention_reference(*case))
+
+
 def test_queries_beyond_fp16s_range_saturate_instead_of_overflowing():
     # The kernel takes q in fp16: one component of 1e6 (1.25e5 after the 1 / 8 scale)
     # overflows it unless it saturates (inf times the zero key components below would be NaN).
