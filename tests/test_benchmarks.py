@@ -37,6 +37,29 @@ def test_decode(tmp_path: Path) -> None:
     assert line["peers"]["bs1_floor_tok_s"] > 0
 
 
+def test_decode_notes_a_kv_case_that_fails_and_keeps_the_others(monkeypatch) -> None:
+    # A card that cannot hold one case's cache (the float one, on an 80 GB card once) must
+    # not cost the run the other cases' figures, nor its table.
+    import spark_jax as sj
+    from benchmarks import decode
+
+    real_model = sj.Model
+
+    def model(*args, **kwargs):
+        if kwargs.get("kv_cache_dtype") == "auto":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (simulated)")
+        return real_model(*args, **kwargs)
+
+    monkeypatch.setattr(sj, "Model", model)
+    report = decode.run(tiny=True, peer=False, kv_cache_dtype="fp8")
+    assert "kv_tok_s" not in report.figures and report.figures["kv_fp8_tok_s"] > 0
+    assert report.ratios["kv_fp8_over_bf16"] is None
+    assert any(note.startswith("kv: RuntimeError: RESOURCE_EXHAUSTED") for note in report.notes)
+    kv_rows = [row for row in report.table if row[0].startswith("kv ")]
+    assert [row[0] for row in kv_rows] == ["kv bs4 float32", "kv bs4 fp8", "kv bs4 fp8_xla"]
+    assert kv_rows[0][1] is None and kv_rows[1][1] > 0
+
+
 def test_attention(tmp_path: Path) -> None:
     line = run_suite("attention", tmp_path)
     assert "decode_tiny_ours_paged_tb_s" in line["figures"]
