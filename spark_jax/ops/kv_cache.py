@@ -41,6 +41,12 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         )
 
 
+def stored_dtype(kv_cache_dtype: str, dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a cache holds its keys and values in: the model's (``"auto"``) or E4M3."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return jnp.dtype(FP8 if kv_cache_dtype == "fp8" else dtype)
+
+
 def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
     """x [..., K, H] / scale [K], rounded to E4M3 (saturating at +-448)."""
     scaled = x.astype(jnp.float32) / scale.astype(jnp.float32)[:, None]
@@ -314,14 +320,14 @@ class PagedKVCache(_Rows):
         dtype: jnp.dtype,
         kv_cache_dtype: str = "auto",
     ) -> PagedKVCache:
-        check_kv_cache_dtype(kv_cache_dtype)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        narrow = kv_cache_dtype == "fp8"
+        stored = stored_dtype(kv_cache_dtype, dtype)  # checks the name
+        narrow = stored == FP8
         # Distinct arrays for K and V: the cache is donated, and no buffer may be given twice.
         scales = lambda: tuple(jnp.ones((num_kv_heads,), dtype) for _ in range(num_layers))
         return cls(
-            k_pages=tuple(jnp.zeros(shape, FP8 if narrow else dtype) for _ in range(num_layers)),
-            v_pages=tuple(jnp.zeros(shape, FP8 if narrow else dtype) for _ in range(num_layers)),
+            k_pages=tuple(jnp.zeros(shape, stored) for _ in range(num_layers)),
+            v_pages=tuple(jnp.zeros(shape, stored) for _ in range(num_layers)),
             block_table=jnp.full((num_slots, max_pages_per_seq), num_pages, jnp.int32),
             lengths=jnp.zeros((num_slots,), jnp.int32),
             k_scales=scales() if narrow else None,

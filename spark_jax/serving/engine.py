@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
 from spark_jax.generation.beam import BeamRequest, BeamResult, check_beam_requests
 from spark_jax.generation.guided import GuidedRow, guided_row
@@ -88,6 +87,7 @@ from spark_jax.generation.request import (
     token_logprobs,
 )
 from spark_jax.models.common import bucket
+from spark_jax.ops.kv_cache import stored_dtype
 from spark_jax.ops.lora import adapter_slot
 from spark_jax.ops.sampling import SamplingParams
 from spark_jax.serving.executor import (
@@ -439,7 +439,7 @@ class Engine:
         """The pages that fill ``utilization`` of the device's memory (``pages_that_fit``);
         at least one sequence of max_model_len's."""
         # An fp8 cache holds a key or value in a byte: twice the pages of a bf16 one.
-        itemsize = 1 if self.model.kv_cache_dtype == "fp8" else np.dtype(self.model.dtype).itemsize
+        itemsize = stored_dtype(self.model.kv_cache_dtype, self.model.dtype).itemsize
         pages = pages_that_fit(
             self.model.config, itemsize, utilization, page_size, max_batch_tokens, self.num_slots
         )
