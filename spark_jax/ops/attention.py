@@ -273,14 +273,25 @@ def scaled_paged_attention(
     mask: AttentionMask,
 ) -> jax.Array:
     """q [B,1,N,H] over the fp8 rows ``slots`` read in place by our kernel (interpreted off
-    the GPU)."""
+    the GPU). A dense cache's rows are cut into pages that follow one another, so the kernel
+    takes each row's page ids from its first entry (``consecutive_pages``)."""
     from pallas_kernels.scaled_paged_attention import scaled_paged_attention as kernel
 
     k_pages, table, k_scale = narrow_pages(k_cache, slots)
     v_pages, _, v_scale = narrow_pages(v_cache, slots)
     lengths = _one_query_lengths(mask)
     interpret = jax.default_backend() != "gpu"
-    return kernel(q, k_pages, v_pages, k_scale, v_scale, table, lengths, interpret=interpret)
+    return kernel(
+        q,
+        k_pages,
+        v_pages,
+        k_scale,
+        v_scale,
+        table,
+        lengths,
+        consecutive_pages=isinstance(k_cache, ScaledLayer),
+        interpret=interpret,
+    )
 
 
 def narrow_cache_attention(
