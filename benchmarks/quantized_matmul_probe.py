@@ -1,7 +1,7 @@
 """Probe (kept out of the suites): weight-only fp8/int8 matmul at decode rows on Llama-3-8B
 shapes, every variant device-timed in one process.
 
-    PYTHONPATH=. python benchmarks/quantized_matmul_probe.py [--rows 1] [--quick]
+    PYTHONPATH=. python benchmarks/quantized_matmul_probe.py [--rows 1] [--quick] [--only NAME ...]
 
 Each variant computes ``x [M, D] @ (q [D, F] * scale [F])`` for the four projections of
 ``--layers`` layers (separate arrays, so nothing stays in L2) inside one jitted call; the
@@ -17,6 +17,12 @@ XLA's bf16 GEMV over the same shapes and the read ceiling of this run. Variants:
 - ``tile``: the kernel's form with the products summed over the inputs once per program
   instead of once per tile (``elementwise``), on ``[D, F]`` or ``[F, D]`` weights, with its
   tile, warps, stages and splits named.
+
+``--rows M`` (> 1, a decode step of M rows): only the forms that take several rows run:
+``bf16``, ``bf16half``, ``xla_fused`` (the engine's path above 16 rows), ``kernel`` and its
+tiles (``kernel_n{block_n}_k{block_k}_w{warps}_s{stages}_p{programs}``), and ``w8a8_fd``: x
+rounded to E4M3 with a scale a row against ``[F, D]`` weights in one fp8 dot (cuBLASLt's fp8
+GEMM takes both operands K-major), what a W8A8 scheme over the transposed layout would read.
 """
 
 from __future__ import annotations
@@ -240,6 +246,30 @@ def jax_mixed_matmul(x, wt, scale):
     return (y[:, 0] * scale)[None].astype(x.dtype)
 
 
+# The kernel's tiles at several rows: block_n, block_k, warps, stages, programs.
+ROW_TILES = [
+    (64, 64, 4, 4, 528),
+    (128, 64, 4, 4, 528),
+    (128, 128, 4, 3, 528),
+    (128, 128, 8, 3, 528),
+    (64, 128, 4, 3, 1056),
+    (128, 256, 8, 3, 528),
+    (256, 64, 8, 3, 264),
+    (128, 64, 4, 3, 1056),
+]
+
+
+def w8a8_fd(x, q, s, qt, name):
+    """x rounded to E4M3 (a scale a row) against ``qt [F, D]`` in one fp8 x fp8 dot, both
+    operands contracted on their last axis; the two scales applied to its fp32 output."""
+    del q, name
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    x8 = (x.astype(jnp.float32) / x_scale).astype(jnp.float8_e4m3fn)
+    y = lax.dot_general(x8, qt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * x_scale * s).astype(jnp.bfloat16)
+
+
 def _pow2_divisor(n, largest):
     while n % largest:
         largest //= 2
@@ -258,6 +288,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", nargs="+", default=None, help="variants whose name has one")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (a decode step's)")
     args = parser.parse_args()
     key = jax.random.key(0)
     layers = []
@@ -274,7 +305,7 @@ def main() -> None:
             layers.append(entry)
             del w
     xs = {
-        d: jax.random.normal(jax.random.fold_in(key, d), (1, d), jnp.bfloat16)
+        d: jax.random.normal(jax.random.fold_in(key, d), (args.rows, d), jnp.bfloat16)
         for d in sorted({d for d, _ in SHAPES.values()})
     }
     narrow_bytes = sum(e["fp8"][0].size for e in layers)
@@ -463,6 +494,26 @@ def main() -> None:
 
             variants[f"tma_{tk}_s{stages}_p{programs}_{load_layout}_{scheme}"] = (scheme, fn)
 
+    if args.rows > 1:
+        several = (
+            "bf16",
+            "bf16half",
+            "xla_fused_fp8",
+            "xla_fused_int8",
+            "kernel_fp8",
+            "kernel_int8",
+        )
+        variants = {k: v for k, v in variants.items() if k in several}
+        for bn, bk, warps, stages, programs in ROW_TILES:
+            for scheme in ("fp8",) + (("int8",) if (bn, bk) == (128, 128) else ()):
+                variants[f"kernel_n{bn}_k{bk}_w{warps}_s{stages}_p{programs}_{scheme}"] = (
+                    scheme,
+                    lambda x, q, s, qt, name, t=(bn, bk, warps, stages, programs): quantized_matmul(
+                        x, q, s, jnp.bfloat16, block_n=t[0], block_k=t[1], num_warps=t[2],
+                        num_stages=t[3], programs=t[4],
+                    ),
+                )  # fmt: skip
+        variants["w8a8_fd_fp8"] = ("fp8", w8a8_fd)
     ceiling = read_bandwidth()
     rows = []
     reference = {}
