@@ -10,7 +10,7 @@ one jitted call; the figure is the cache bytes read per second of device time
 
 - ``bf16``: ``cache_attention`` over a dense bf16 cache (the decode suite's bf16 path).
 - ``fp8``: ``cache_attention`` over a dense E4M3 cache (``ScaledLayer``: our kernel as the
-  engine calls it).
+  model calls it, with ``consecutive_pages``).
 - ``kernel_*``: ``pallas_kernels.scaled_paged_attention`` on the cache as 128-key pages with
   its knobs named: ``w`` warps, ``s`` stages, ``k`` keys a step, ``p`` programs;
   ``consecutive``: each row's page ids from its first entry (``consecutive_pages``, which the
