@@ -196,6 +196,40 @@ def on_gpu() -> bool:
 # Timing (JAX).
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# A program loaded from the persistent compilation cache instead of compiled: jax records its
+# retrieval time only on a hit.
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+
+class CompileCounter:
+    """Counts XLA programs built while active: backend compilations and persistent-cache hits
+    (jax.monitoring's events), so a program counts whether or not another run compiled it.
+
+    On the GPU every program built drops the command buffers (CUDA graphs) XLA recorded for
+    all the others, to be recorded again on their next runs: a measurement that builds one
+    between an engine's warm-up and its timed levels slows their first steps."""
+
+    def start(self) -> CompileCounter:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def stop(self) -> int:
+        """Stops counting; the count."""
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+        return self.count
+
+    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
+        self.count += event in (COMPILE_EVENT, CACHE_HIT_EVENT)
+
+    def __enter__(self) -> CompileCounter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def median_seconds(fn: Callable[[], Any], warmup: int = 3, iters: int = 10) -> float:
     """Median wall time of ``fn()`` with the device synced after every call."""
     for _ in range(warmup):

@@ -87,6 +87,7 @@ import numpy as np
 from benchmarks.common import (
     LLAMA3_8B,
     TINY_LLAMA,
+    CompileCounter,
     Report,
     ceilings,
     chain_seconds,
@@ -291,7 +292,7 @@ def bare_decode_seconds(engine: Any, context: int, steps: int = 40, rows: int = 
     around ``context`` keys each (the engine's own program), dispatched back to back: what a
     step costs with no serving around it. Each step adds a key, so the run starts half its
     steps before ``context``. Run while the engine is idle: it writes into pages nobody holds."""
-    from spark_jax.serving.executor import upload
+    from spark_jax.serving.executor import commit
 
     ex = engine.executor
     page, total = ex.state.page_size, steps * 5  # chain_seconds: 2 warm-up + 3 timed rounds
@@ -301,14 +302,25 @@ def bare_decode_seconds(engine: Any, context: int, steps: int = 40, rows: int = 
     if rows * used > ex.num_pages:
         raise ValueError(f"{rows} rows of {used} pages do not fit the pool's {ex.num_pages}")
     table[:, :used] = np.arange(rows * used).reshape(rows, used)
-    tokens, active = upload(np.zeros((rows,), np.int32)), upload(np.ones((rows,), bool))
-    lengths = upload(np.full((rows,), start, np.int32))
-    state = ex.state.with_block_table(upload(table)).with_lengths(lengths)
+    # Committed, as the engine's inputs are (a jitted program's cache key tells them apart).
+    tokens, active, lengths, table = commit(
+        (
+            np.zeros((rows,), np.int32),
+            np.ones((rows,), bool),
+            np.full((rows,), start, np.int32),
+            table,
+        )
+    )
+    state = ex.state.with_block_table(table).with_lengths(lengths)
 
-    def step(st: Any) -> Any:
-        return ex.runner.decode(st, tokens, active)[1]
+    # The engine's own program (its inputs handed back, donated): a program of its own would
+    # compile here, and on the GPU every compile drops the command buffers (CUDA graphs) XLA
+    # recorded for the engine's programs, to be recorded again on their next runs.
+    def step(carry: Any) -> Any:
+        (tok, act), _, st = ex.runner.decode(carry[2], *carry[:2], returning_inputs=True)
+        return tok, act, st
 
-    seconds, _, ex.state = chain_seconds(step, state, steps)
+    seconds, _, (_, _, ex.state) = chain_seconds(step, (tokens, active, state), steps)
     return seconds
 
 
@@ -765,6 +777,7 @@ def run(
     engine, timings = build_engine(plan)
     report.details |= timings
     print("engine", json.dumps(timings), file=sys.stderr)
+    built = CompileCounter().start()  # the engine's and the suite's own, until the second engine
     requests = workload(plan)
     counts = {
         c: per_level(c) if per_level else min(plan.requests, max(32, 4 * c))
@@ -871,6 +884,10 @@ def run(
     engine.num_scheduler_steps = plan.shared_num_scheduler_steps
     on = run_level(engine, shared, plan.shared_concurrency, every_ttft=True)
     progress("shared prefix, cache on", on)
+    # Each program built after warm-up would have cost the levels after it (``CompileCounter``).
+    report.details["programs_built_after_warmup"] = built.stop()
+    if built.count:
+        report.notes.append(f"{built.count} programs were built after the engine's warm-up")
     del engine  # its page pool, before the second engine takes one of its own
     gc.collect()
     engine, _ = build_engine(plan, enable_prefix_caching=False)

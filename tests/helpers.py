@@ -22,6 +22,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import spark_jax as sj  # noqa: E402
+
+# The benchmarks count the programs their runs build with the same counter.
+from benchmarks.common import CompileCounter  # noqa: E402, F401
 from spark_jax.config import config_from_hf  # noqa: E402
 from spark_jax.models import nllb, params_from_hf  # noqa: E402
 from spark_jax.tokenizer.nllb_languages import FAIRSEQ_LANGUAGE_CODES  # noqa: E402
@@ -374,27 +377,6 @@ def write_tiny_gguf(
 
 # ---------------------------------------------------------------------------------------------
 # Counting compilations.
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# A program loaded from the persistent compilation cache (the suite's, see conftest.py) instead
-# of compiled: jax records its retrieval time only on a hit.
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
-
-
-class CompileCounter:
-    """Counts XLA programs built while active: backend compilations and persistent-cache hits
-    (jax.monitoring's events), so a program counts whether or not another test compiled it."""
-
-    def __enter__(self) -> CompileCounter:
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
-        self.count += event in (COMPILE_EVENT, CACHE_HIT_EVENT)
-
-    def __exit__(self, *exc: object) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def scatters_promise_unique(lowered: jax.stages.Lowered) -> bool:

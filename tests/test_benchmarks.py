@@ -86,6 +86,9 @@ def test_serving(tmp_path: Path) -> None:
     on, off = (line["details"][f"shared_prefix_cache_{c}"]["output_digest"] for c in ("on", "off"))
     assert on == off and line["details"]["c1"]["output_digest"] != on
     assert line["details"]["metrics"]["cached_prompt_tokens"] == 0
+    # Neither the engine nor the suite's own measurements (the bare steps) built a program
+    # between warm-up and the last level timed on it.
+    assert line["details"]["programs_built_after_warmup"] == 0
 
 
 def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
