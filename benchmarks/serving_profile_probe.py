@@ -6,7 +6,7 @@ the host does while the device idles.
         [--num-scheduler-steps 1 4] [--step-token-budgets 0 256 512] [--no-profile]
         [--prefill-batches padded ragged mixed] [--max-batch-tokens 512 1024]
         [--max-prefill-seqs 4 8] [--python-tracer on|off]
-        [--shared] [--tiny]
+        [--shared] [--shared-first] [--rerun-warm-steps] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
@@ -25,7 +25,12 @@ steady-state throughput, TPOT and host CPU per step, and ``profiled_idle``'s fig
 idle fraction over the traced steps, the kernels and programs that take the time, and the
 Python functions the host was inside (during the device's gaps and in all; with
 ``--python-tracer off`` only the device's gaps, unslowed by the tracer). ``--shared`` then
-times a cached wave of the suite's shared-prefix workload step by step (``shared_timeline``).
+times a cached wave of the suite's shared-prefix workload step by step (``shared_timeline``);
+``--shared-first`` runs the shared-prefix level twice more on the fresh engine, before any
+other level, each request's TTFT printed wave by wave both times (do its slow waves follow
+the levels before it?). ``--rerun-warm-steps`` runs every warm-up step once more after the
+engine's warm-up, building nothing: on the GPU each program built drops the CUDA graphs XLA
+recorded for the others, so after warm-up every program records its graph on its first run.
 With ``$OUT`` set the last trace is kept there (``serving_trace.xplane.pb``) to be read again
 with ``serving.idle_of_trace``.
 """
@@ -59,7 +64,7 @@ BATCHES = ("padded", "ragged", "mixed")  # the prefill batches of ``--prefill-ba
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[64])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[64])
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")
     parser.add_argument("--requests", type=int, help="per level (default: the suite's count)")
     parser.add_argument("--no-profile", action="store_true", help="no profiled pass")
@@ -106,6 +111,16 @@ def main() -> None:
         help="also the suite's shared-prefix workload, cache on: each step of a wave's "
         "admission timed, then the wave traced",
     )
+    parser.add_argument(
+        "--shared-first",
+        action="store_true",
+        help="the shared-prefix level on the fresh engine too, before the other levels",
+    )
+    parser.add_argument(
+        "--rerun-warm-steps",
+        action="store_true",
+        help="every warm-up step run once more after warm-up (their CUDA graphs recorded)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
@@ -127,6 +142,14 @@ def main() -> None:
             engine, timings = build_engine(plan)
             name = f"{batches} prefill batches, {budget} tokens and {seqs} prompts a step"
             print(f"engine, {name}", json.dumps(timings), flush=True)
+            if args.rerun_warm_steps:
+                began = time.perf_counter()
+                for group in engine.executor.warm_groups(engine.prefill_shapes()):
+                    group.run(group.steps, 1)
+                print(f"warm-up steps run again: {time.perf_counter() - began:.2f} s", flush=True)
+            if args.shared_first:  # twice: are its slow waves its programs' first runs?
+                shared_level(engine, plan, "fresh engine")
+                shared_level(engine, plan, "fresh engine, again")
             run_levels(engine, plan, args)
             if args.shared:
                 shared_timeline(engine, plan)
@@ -169,6 +192,21 @@ def run_levels(engine: Any, plan: Any, args: argparse.Namespace) -> None:
                 print(f"{name}, profiled:", json.dumps(idle, indent=1))
 
 
+def shared_level(engine: Any, plan: Any, when: str) -> list[tuple[list[int], int]]:
+    """The suite's shared-prefix level, cache on, as the suite runs it: its TTFT p50 and each
+    request's TTFT in submission order, a wave (``shared_concurrency`` requests) a line.
+    Returns the level's requests."""
+    shared = shared_prefix_workload(plan)
+    engine.num_scheduler_steps = plan.shared_num_scheduler_steps
+    c = plan.shared_concurrency
+    level = run_level(engine, shared, c, every_ttft=True)
+    p50 = level["ttft_s"]["p50"] * 1e3
+    print(f"shared prefix, cache on, {when}: TTFT p50 {p50:.2f} ms; waves:", flush=True)
+    for i in range(0, len(level["ttft_ms"]), c):
+        print("  ", level["ttft_ms"][i : i + c], flush=True)
+    return shared
+
+
 def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     """Where a cached request's TTFT goes: the shared-prefix level once (it caches the
     prefix, as the suite's run does), then one wave of ``shared_concurrency`` requests
@@ -179,11 +217,8 @@ def shared_timeline(engine: Any, plan: Any, steps: int = 6) -> None:
     ran before would find its whole prompts cached)."""
     import spark_jax as sj
 
-    shared = shared_prefix_workload(plan)
-    engine.num_scheduler_steps = plan.shared_num_scheduler_steps
+    shared = shared_level(engine, plan, "after the levels")
     c = plan.shared_concurrency
-    level = run_level(engine, shared, c)
-    print("shared prefix, cache on: TTFT p50 ms", level["ttft_s"]["p50"] * 1e3, flush=True)
     params = sj.SamplingParams(temperature=0.0, max_tokens=plan.answer, ignore_eos=True)
     # The same prefix, questions not asked before.
     rng, system = np.random.default_rng(2), shared[0][0][: plan.shared_prefix]
