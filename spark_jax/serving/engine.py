@@ -106,7 +106,7 @@ from spark_jax.serving.scheduler import (
     ragged_ladder,
 )
 from spark_jax.serving.speculation import SpeculativeConfig
-from spark_jax.serving.warmup import warmup
+from spark_jax.serving.warmup import run_steps_again, warmup
 
 MIN_CHUNK = 16  # the decoder's smallest prefill bucket: chunk ladders start here
 MIN_DECODE_PAGES = 8  # the narrowest block table a decode step gathers
@@ -883,16 +883,17 @@ class Engine:
     def warmup(self, compile_threads: int = 8) -> None:
         """Compiles every step shape (decode, prefill batches, sampler; an encoder-decoder's
         beam lane too) on ``compile_threads`` threads and runs each once on rows out of range,
-        so a warmed engine never compiles (``spark_jax.serving.warmup``)."""
+        so a warmed engine never compiles (``spark_jax.serving.warmup``); on the GPU each
+        once more at the end, so their CUDA graphs are recorded before the first request."""
         with self._lock:
-            warmup(
-                self.executor,
-                self.prefill_shapes(),
-                self.scheduler.row_ladder[-1],
-                compile_threads,
-            )
+            shapes, admitted = self.prefill_shapes(), self.scheduler.row_ladder[-1]
+            warmup(self.executor, shapes, admitted, compile_threads)
             if self._drafter is not None:
                 self._drafter.warm()
+            if jax.default_backend() == "gpu":  # where XLA records CUDA graphs (warmup.py)
+                run_steps_again(self.executor, shapes, admitted)
+                if self._drafter is not None:
+                    self._drafter.warm()
 
 
 def _prefill_ladder(

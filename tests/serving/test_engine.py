@@ -24,6 +24,7 @@ from spark_jax.serving.engine import Engine
 from spark_jax.serving.executor import SAMPLER_WIDTH, SlotPicker
 from spark_jax.serving.pages import PageAllocator
 from spark_jax.serving.scheduler import SequenceState
+from spark_jax.serving.warmup import run_steps_again
 
 
 def mixed_params(i: int, max_tokens: int) -> sj.SamplingParams:
@@ -167,6 +168,18 @@ def test_a_warmed_engine_never_compiles_through_every_decode_width(engine, invar
     assert compiles == 0
     assert engine.executor.num_mixed_steps > 0
     assert set(engine.executor.decode_steps_by_width) == {1, 2, 4, 8, 16}
+
+
+def test_the_warm_up_steps_run_again_build_nothing_and_change_no_output(engine, invariance_run):
+    """On the GPU a warmed engine runs its warm-up steps once more, so their CUDA graphs are
+    recorded before it serves (``warmup.run_steps_again``): a program built there would drop
+    them all again, and the pass must leave the engine serving as before."""
+    prompts, params, results, _ = invariance_run
+    with CompileCounter() as counter:
+        run_steps_again(engine.executor, engine.prefill_shapes(), engine.scheduler.row_ladder[-1])
+    assert counter.count == 0
+    again = engine.generate_many(prompts[:8], params[:8])
+    assert [r.output_tokens for r in again] == [r.output_tokens for r in results[:8]]
 
 
 @pytest.mark.parametrize("batches", ["padded", "ragged"])
