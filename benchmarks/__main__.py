@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.tree:  # before anything imports spark_jax: the tree under test comes first
         sys.path.insert(0, str(Path(args.tree).resolve()))
+    from benchmarks.common import profile_as_run
+
+    profile_as_run()  # before any suite starts jax's backend
     suite = importlib.import_module(f"benchmarks.{args.suite}")
     if args.peer_json:
         Path(args.peer_json).write_text(json.dumps(suite.peer(args.tiny, args.peer_arg)))

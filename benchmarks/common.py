@@ -196,6 +196,22 @@ def on_gpu() -> bool:
 # Timing (JAX).
 
 
+# While a profile is active XLA runs each program's kernels one by one unless told otherwise,
+# not as the CUDA graph it runs them as unprofiled (``profile_as_run``).
+PROFILE_AS_RUN_FLAG = "--xla_enable_command_buffers_during_profiling=true"
+
+
+def profile_as_run() -> None:
+    """Profiles taken in this process trace the programs as they run unprofiled, each a CUDA
+    graph (XLA's command buffer), not kernel by kernel: the serving suite's device idle is
+    then the idle of the engine users run. On an H100 the same probe of the C=64 level (one
+    decode step a call) read 3.3% idle between programs kernel by kernel and 2.5% as
+    graphs. Takes effect only before jax starts its backend: call it first thing."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if PROFILE_AS_RUN_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {PROFILE_AS_RUN_FLAG}".strip()
+
+
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # A program loaded from the persistent compilation cache instead of compiled: jax records its
 # retrieval time only on a hit.

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import profile_as_run
 from benchmarks.serving import (
     FULL,
     SMALL,
@@ -63,6 +64,7 @@ BATCHES = ("padded", "ragged", "mixed")  # the prefill batches of ``--prefill-ba
 
 
 def main() -> None:
+    profile_as_run()  # before jax starts its backend
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="*", default=[64])
     parser.add_argument("--slots", type=int, default=64, help="the engine's max_num_seqs")

@@ -196,3 +196,15 @@ def test_serving_reads_peers_measured_before_and_says_so(tmp_path: Path) -> None
     assert read["output_tok_s"] == 220.5 and read["read_from"].startswith(f"{path}, written ")
     missing = peer_from_file(str(tmp_path / "gpt_fast_static_batches.json"))
     assert "output_tok_s" not in missing and "--peer-json" in missing["error"]
+
+
+def test_profiles_trace_the_programs_as_they_run_keeping_the_users_flags(monkeypatch) -> None:
+    from benchmarks.common import PROFILE_AS_RUN_FLAG, profile_as_run
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    profile_as_run()
+    profile_as_run()  # once only, however often it is called
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {PROFILE_AS_RUN_FLAG}"
+    monkeypatch.delenv("XLA_FLAGS")
+    profile_as_run()
+    assert os.environ["XLA_FLAGS"] == PROFILE_AS_RUN_FLAG
