@@ -16,6 +16,7 @@ import spark_jax as sj
 from spark_jax.model import Model
 from spark_jax.serving.engine import Engine
 from spark_jax.serving.executor import DenseExecutor
+from spark_jax.serving.warmup import run_steps_again
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,20 @@ def test_20_mixed_translations_give_what_each_gives_alone_and_never_compile(mode
     assert [r.output_tokens for r in results] == alone
     assert counter.count == 0
     assert {r.finish_reason for r in results} == {"stop", "length"}
+    assert engine.slots_in_use == 0 and not engine.has_unfinished()
+
+
+def test_the_warm_up_steps_run_again_build_nothing_and_change_no_output(engine):
+    """``warmup.run_steps_again`` (the engine runs it on the GPU, see its module) over the
+    dense cache and the beam lane: no program built, the same translations after it."""
+    sources = helpers.random_sources(seed=12, count=4, max_len=40)
+    params = [_params(i) for i in range(4)]
+    before = engine.generate_many(sources, params)
+    with CompileCounter() as counter:
+        run_steps_again(engine.executor, engine.prefill_shapes(), engine.scheduler.row_ladder[-1])
+    assert counter.count == 0
+    after = engine.generate_many(sources, params)
+    assert [r.output_tokens for r in after] == [r.output_tokens for r in before]
     assert engine.slots_in_use == 0 and not engine.has_unfinished()
 
 
