@@ -29,8 +29,8 @@ times a cached wave of the suite's shared-prefix workload step by step (``shared
 ``--shared-first`` runs the shared-prefix level twice more on the fresh engine, before any
 other level, each request's TTFT printed wave by wave both times (do its slow waves follow
 the levels before it?). ``--rerun-warm-steps`` runs every warm-up step once more after the
-engine's warm-up, building nothing: on the GPU each program built drops the CUDA graphs XLA
-recorded for the others, so after warm-up every program records its graph on its first run.
+engine's warm-up (``warmup.run_steps_again``, which the engine's own warm-up now ends with on
+the GPU: there the flag adds a second such pass).
 With ``$OUT`` set the last trace is kept there (``serving_trace.xplane.pb``) to be read again
 with ``serving.idle_of_trace``.
 """
@@ -59,6 +59,7 @@ from benchmarks.serving import (
     workload,
 )
 from spark_jax.serving.scheduler import rung
+from spark_jax.serving.warmup import run_steps_again
 
 BATCHES = ("padded", "ragged", "mixed")  # the prefill batches of ``--prefill-batches``
 
@@ -146,8 +147,8 @@ def main() -> None:
             print(f"engine, {name}", json.dumps(timings), flush=True)
             if args.rerun_warm_steps:
                 began = time.perf_counter()
-                for group in engine.executor.warm_groups(engine.prefill_shapes()):
-                    group.run(group.steps, 1)
+                admitted = engine.scheduler.row_ladder[-1]
+                run_steps_again(engine.executor, engine.prefill_shapes(), admitted)
                 print(f"warm-up steps run again: {time.perf_counter() - began:.2f} s", flush=True)
             if args.shared_first:  # twice: are its slow waves its programs' first runs?
                 shared_level(engine, plan, "fresh engine")

@@ -376,7 +376,7 @@ def write_tiny_gguf(
 
 
 # ---------------------------------------------------------------------------------------------
-# Counting compilations.
+# What a lowered program does.
 
 
 def scatters_promise_unique(lowered: jax.stages.Lowered) -> bool:
