@@ -18,14 +18,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spark_jax_xla_cache_")
     os.environ["SPARK_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# LLVM's level-1 optimisation for the CPU's code: the tiny models' programs are compiled far
-# more than they run, and level 1 compiles them ~30% faster than the default level 2 while the
-# real SmolLM2's longest passes run ~7% slower. It changes LLVM's code generation only, not
-# XLA's passes.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
-    ).strip()
+# Compilation is most of the suite's CPU time, so the CPU's compiler is set for it:
+# - LLVM's level-1 optimisation: the tiny models' programs are compiled far more than they
+#   run, and level 1 compiles them ~30% faster than the default level 2 while the real
+#   SmolLM2's longest passes run ~7% slower (level 0 halves their speed).
+# - each program's LLVM module compiled whole, not split into parts for a thread pool: on
+#   CI's two cores, both busy with a test each, the split only adds work (tests/serving/
+#   test_engine.py alone: 8-27% less backend compile time).
+# Both change LLVM's code generation only, not XLA's passes.
+for _flag in ("--xla_backend_optimization_level=1", "--xla_cpu_parallel_codegen_split_count=1"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
