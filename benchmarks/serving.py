@@ -140,6 +140,10 @@ class Plan:
     # max_model_len per slot (the engine's default without it) is 69 GB at 256 slots: more
     # than an 80 GB H100 holds beside the weights.
     gpu_memory_utilization: float | None = 0.85
+    # The page pool's size in pages, in place of the share above (None: the share). Where the
+    # device reports no memory limit (XLA's GPU flag
+    # --xla_gpu_command_buffer_update_mode=SKIP_TEMP), only this sizes the pool.
+    kv_pages: int | None = None
     hf_batch: int = 64
     hf_requests: int = 128
     dtype: str = "bfloat16"
@@ -159,7 +163,8 @@ class Plan:
         """``sj.Engine`` keyword arguments of this plan's engine (those left None: left out,
         the engine's defaults)."""
         optional = {
-            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "gpu_memory_utilization": self.gpu_memory_utilization if not self.kv_pages else None,
+            "kv_pages": self.kv_pages,
             "prefill_sizes": self.prefill_sizes,
         }
         return {k: v for k, v in optional.items() if v is not None} | dict(

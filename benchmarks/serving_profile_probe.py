@@ -6,7 +6,7 @@ the host does while the device idles.
         [--num-scheduler-steps 1 4] [--step-token-budgets 0 256 512] [--no-profile]
         [--prefill-batches padded ragged mixed] [--max-batch-tokens 512 1024]
         [--max-prefill-seqs 4 8] [--python-tracer on|off]
-        [--shared] [--shared-first] [--rerun-warm-steps] [--tiny]
+        [--shared] [--shared-first] [--rerun-warm-steps] [--kv-pages N] [--tiny]
 
 ``--prefill-batches`` builds the suite's engine once per kind of prefill batch, [B, T]
 (padded), ragged (``sj.Engine(ragged_prefill=True)``) and ragged with the decode rows riding
@@ -31,6 +31,9 @@ other level, each request's TTFT printed wave by wave both times (do its slow wa
 the levels before it?). ``--rerun-warm-steps`` runs every warm-up step once more after the
 engine's warm-up (``warmup.run_steps_again``, which the engine's own warm-up now ends with on
 the GPU: there the flag adds a second such pass).
+``--kv-pages`` sizes the page pool in pages instead of by the device's free memory (needed
+under XLA flags that hide the memory limit, such as
+``--xla_gpu_command_buffer_update_mode=SKIP_TEMP``).
 With ``$OUT`` set the last trace is kept there (``serving_trace.xplane.pb``) to be read again
 with ``serving.idle_of_trace``.
 """
@@ -124,6 +127,12 @@ def main() -> None:
         action="store_true",
         help="every warm-up step run once more after warm-up (their CUDA graphs recorded)",
     )
+    parser.add_argument(
+        "--kv-pages",
+        type=int,
+        default=None,
+        help="the page pool in pages (default: the plan's share of the device's memory)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the suite's tiny plan (any backend)")
     args = parser.parse_args()
     most = max(args.num_scheduler_steps)
@@ -141,6 +150,7 @@ def main() -> None:
                 mixed_batches=batches == "mixed",
                 max_batch_tokens=budget,
                 max_prefill_seqs=seqs,
+                kv_pages=args.kv_pages,
             )
             engine, timings = build_engine(plan)
             name = f"{batches} prefill batches, {budget} tokens and {seqs} prompts a step"

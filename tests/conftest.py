@@ -22,9 +22,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # - LLVM's level-1 optimisation: the tiny models' programs are compiled far more than they
 #   run, and level 1 compiles them ~30% faster than the default level 2 while the real
 #   SmolLM2's longest passes run ~7% slower (level 0 halves their speed).
-# - each program's LLVM module compiled whole, not split into parts for a thread pool: on
-#   CI's two cores, both busy with a test each, the split only adds work (tests/serving/
-#   test_engine.py alone: 8-27% less backend compile time).
+# - each program's LLVM module compiled whole, not split into parts for a thread pool: with
+#   two cores busy with a test each, the split only adds work (tests/serving/test_engine.py
+#   alone, two A/Bs: 8% and 27% less backend compile time).
 # Both change LLVM's code generation only, not XLA's passes.
 for _flag in ("--xla_backend_optimization_level=1", "--xla_cpu_parallel_codegen_split_count=1"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

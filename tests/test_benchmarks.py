@@ -107,6 +107,18 @@ def test_serving_plan_flags_reach_the_suite_and_an_older_tree_alike() -> None:
     assert plan_overrides(parse_args(["serving", *plan_args(args)])) == plan_overrides(args)
 
 
+def test_a_serving_plan_sized_in_pages_leaves_the_memory_share_out() -> None:
+    """``kv_pages`` replaces ``gpu_memory_utilization`` (the engine refuses both at once)."""
+    import dataclasses
+
+    from benchmarks.serving import FULL
+
+    assert FULL.engine_kwargs()["gpu_memory_utilization"] == FULL.gpu_memory_utilization
+    assert "kv_pages" not in FULL.engine_kwargs()
+    sized = dataclasses.replace(FULL, kv_pages=4096).engine_kwargs()
+    assert sized["kv_pages"] == 4096 and "gpu_memory_utilization" not in sized
+
+
 def test_serving_steady_state_leaves_out_the_start_and_the_drain() -> None:
     from benchmarks.serving import steady_state
 
