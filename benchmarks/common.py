@@ -201,15 +201,21 @@ def on_gpu() -> bool:
 PROFILE_AS_RUN_FLAG = "--xla_enable_command_buffers_during_profiling=true"
 
 
+def add_xla_flag(flag: str) -> None:
+    """Adds ``--name=value`` to ``XLA_FLAGS`` unless a value of that name is set there already
+    (the user's stays). Takes effect only before jax starts its backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag.split("=")[0] not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
 def profile_as_run() -> None:
     """Profiles taken in this process trace the programs as they run unprofiled, each a CUDA
     graph (XLA's command buffer), not kernel by kernel: the serving suite's device idle is
     then the idle of the engine users run. On an H100 the same probe of the C=64 level (one
     decode step a call) read 3.3% idle between programs kernel by kernel and 2.5% as
     graphs. Takes effect only before jax starts its backend: call it first thing."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if PROFILE_AS_RUN_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {PROFILE_AS_RUN_FLAG}".strip()
+    add_xla_flag(PROFILE_AS_RUN_FLAG)
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

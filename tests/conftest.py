@@ -25,10 +25,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # - each program's LLVM module compiled whole, not split into parts for a thread pool: with
 #   two cores busy with a test each, the split only adds work (tests/serving/test_engine.py
 #   alone, two A/Bs: 8% and 27% less backend compile time).
-# Both change LLVM's code generation only, not XLA's passes.
-for _flag in ("--xla_backend_optimization_level=1", "--xla_cpu_parallel_codegen_split_count=1"):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# Both change LLVM's code generation only, not XLA's passes. (XLA reads its flags when jax
+# starts its backend, after these imports.)
+from benchmarks.common import add_xla_flag  # noqa: E402
+
+add_xla_flag("--xla_backend_optimization_level=1")
+add_xla_flag("--xla_cpu_parallel_codegen_split_count=1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
